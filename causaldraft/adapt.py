@@ -1,0 +1,139 @@
+"""Cost model and adaptation: how big a tree pays off, and when to stop speculating.
+
+t_verify(n) is measured on this machine (a short calibration at load, then refreshed from every
+step); the expected tokens per step of a tree is 1 + c * sum(node scores), with c the observed
+calibration of the drafter's scores. The loop keeps the node budget maximising
+E[tokens] / (t_verify(n) + t_draft) and falls back to plain decoding when even the best budget
+is predicted slower than one token per t_verify(1), re-probing periodically.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from causaldraft.config import DecodeConfig, TreeConfig
+from causaldraft.models.base import Backend
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
+
+
+@dataclass
+class VerifyCost:
+    """Seconds of one target pass by number of new tokens, interpolated between measured sizes."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def __call__(self, nodes: int) -> float:
+        sizes = sorted(self.seconds)
+        if not sizes:
+            return 1.0
+        if nodes <= sizes[0]:
+            return self.seconds[sizes[0]]
+        for low, high in zip(sizes, sizes[1:], strict=False):
+            if nodes <= high:
+                share = (nodes - low) / (high - low)
+                return self.seconds[low] * (1 - share) + self.seconds[high] * share
+        return self.seconds[sizes[-1]] * nodes / sizes[-1]
+
+    def update(self, nodes: int, seconds: float) -> None:
+        key = min(self.seconds, key=lambda size: abs(size - nodes)) if self.seconds else nodes
+        if key != nodes and abs(key - nodes) > max(1, nodes // 4):
+            key = nodes
+        previous = self.seconds.get(key, seconds)
+        self.seconds[key] = 0.9 * previous + 0.1 * seconds
+
+
+def measure_verify_cost(backend: Backend, max_nodes: int, context: int = 128, repeats: int = 2) -> VerifyCost:
+    """Time target passes over n new tokens after a ``context``-token prefix."""
+    cache = backend.new_cache(context + max(CALIBRATION_SIZES) + 1)
+    prefix = torch.zeros(context, dtype=torch.long)
+    backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
+    cost = VerifyCost()
+    for size in (s for s in CALIBRATION_SIZES if s <= max(max_nodes, 1)):
+        tokens = torch.zeros(size, dtype=torch.long)
+        positions = torch.arange(context, context + size)
+        mask = torch.ones(size, context + size, dtype=torch.bool).tril(context)
+        timings = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            backend.forward(tokens, positions, mask, cache)
+            timings.append(time.perf_counter() - started)
+            cache.rollback(context)
+        cost.seconds[size] = min(timings[1:])
+    return cost
+
+
+@dataclass
+class AdaptState:
+    """Explicit adaptation state carried across steps (and across requests of one engine)."""
+
+    depth: int
+    width: int
+    tokens_per_step: float = 2.0  # EMA of tokens emitted per speculative step
+    score_calibration: float = 1.0  # EMA of accepted drafts / predicted (sum of scores)
+    draft_seconds: float = 0.0
+    speculating: bool = True
+    plain_steps_left: int = 0
+    failures: int = 0
+    probe_steps: int = 0
+    depth_hits: list[float] = field(default_factory=list)
+
+
+def initial_adapt_state(tree: TreeConfig) -> AdaptState:
+    return AdaptState(depth=tree.depth, width=tree.width, depth_hits=[0.5] * tree.depth)
+
+
+def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int) -> int:
+    """The node count maximising expected tokens per second, given scores sorted high to low."""
+    best_nodes, best_rate = 1, 1.0 / cost(1)
+    for budget in (b for b in BUDGETS if b <= min(max_nodes, len(scores) + 1)):
+        expected = 1.0 + state.score_calibration * sum(scores[: budget - 1])
+        rate = expected / (cost(budget) + state.draft_seconds)
+        if rate > best_rate:
+            best_nodes, best_rate = budget, rate
+    return best_nodes
+
+
+def update_after_step(
+    state: AdaptState,
+    tree: TreeConfig,
+    decode: DecodeConfig,
+    cost: VerifyCost,
+    drafted: int,
+    predicted: float,
+    accepted: int,
+    draft_seconds: float,
+    nodes: int,
+) -> None:
+    """Fold one speculative step's outcome into the state; maybe switch to plain decoding."""
+    if not state.speculating:
+        state.plain_steps_left -= 1
+        if state.plain_steps_left <= 0:
+            state.speculating, state.probe_steps = True, 0
+        return
+    if drafted == 0:
+        return
+    state.probe_steps += 1
+    state.tokens_per_step = 0.8 * state.tokens_per_step + 0.2 * (accepted + 1)
+    state.draft_seconds = 0.8 * state.draft_seconds + 0.2 * draft_seconds if state.probe_steps > 1 else draft_seconds
+    if predicted > 0:
+        ratio = min(3.0, max(0.05, accepted / predicted))
+        state.score_calibration = 0.9 * state.score_calibration + 0.1 * ratio
+    for depth in range(min(len(state.depth_hits), accepted + 1)):
+        state.depth_hits[depth] = 0.9 * state.depth_hits[depth] + 0.1 * float(depth < accepted)
+    if decode.adapt and tree.kind == "chain":
+        state.depth = max(1, min(tree.depth, round(state.tokens_per_step) + 1))
+    if decode.adapt and tree.kind != "chain":
+        state.width = tree.width if state.depth_hits[0] < 0.8 else max(1, tree.width - 1)
+    speedup = state.tokens_per_step * cost(1) / (cost(nodes) + state.draft_seconds)
+    if decode.fallback and state.probe_steps >= 4 and speedup < 1.0:
+        state.failures += 1
+        state.speculating = False
+        state.plain_steps_left = decode.reprobe_every * 2 ** min(state.failures - 1, 4)
+        state.tokens_per_step = 2.0
+    elif speedup >= 1.0 and state.probe_steps >= 8:
+        state.failures = 0

@@ -1,0 +1,205 @@
+"""The public surface: ``load()`` returns an ``Engine`` with ``generate`` and ``stream``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from causaldraft.adapt import AdaptState, VerifyCost, initial_adapt_state, measure_verify_cost
+from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig, validate_max_new_tokens
+from causaldraft.decode import Decoder, GenerationStats, decode_steps, prefill
+from causaldraft.drafters.registry import DrafterOptions, build_drafter
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.sampling import make_generator
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]  # new tokens only
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Engine:
+    model: LoadedModel
+    decoder: Decoder
+    drafter_name: str
+    adapt: AdaptState
+    last_stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str = "stop"
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.model.tokenizer
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            ids = [int(token) for token in prompt]
+            vocab = self.model.backend.shape.vocab_size
+            if any(token < 0 or token >= vocab for token in ids):
+                raise CausalDraftError(f"token ids must be in [0, {vocab})")
+            return ids
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise CausalDraftError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def pieces(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamPiece]:
+        """The streaming core: yields text deltas with their tokens; sets ``last_stats``."""
+        max_new_tokens = validate_max_new_tokens(max_new_tokens)
+        sampling = SamplingConfig(temperature, top_p, top_k, seed)
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        prompt_ids = self.encode(prompt, chat)
+        generator = None if sampling.greedy else make_generator(seed)
+        started = time.perf_counter()
+        state = prefill(self.decoder, prompt_ids, max_new_tokens, generator)
+        self.last_stats = state.stats
+        text = TextTracker(self.tokenizer, stops)
+        for emitted in decode_steps(self.decoder, state, self.adapt, sampling, max_new_tokens):
+            kept, delta = text.add(emitted)
+            state.stats.wall_s = time.perf_counter() - started
+            if kept < len(emitted):
+                state.stats.new_tokens -= len(emitted) - kept
+                state.finished, state.finish_reason = True, "stop"
+            if kept or delta:
+                yield StreamPiece(delta, emitted[:kept])
+            if text.stopped:
+                break
+        tail = text.flush()
+        state.stats.wall_s = time.perf_counter() - started
+        if tail:
+            yield StreamPiece(tail, [])
+        self.finish_reason = state.finish_reason or "stop"
+
+    def stream(self, prompt: str | Sequence[int], **options: object) -> Iterator[str]:
+        for piece in self.pieces(prompt, **options):  # type: ignore[arg-type]
+            if piece.text:
+                yield piece.text
+
+    def generate(self, prompt: str | Sequence[int], **options: object) -> Generation:
+        texts, ids = [], []
+        for piece in self.pieces(prompt, **options):  # type: ignore[arg-type]
+            texts.append(piece.text)
+            ids.extend(piece.token_ids)
+        return Generation("".join(texts), ids, self.last_stats, self.finish_reason)
+
+
+class TextTracker:
+    """Incremental detokenisation with exact stop strings.
+
+    ``add`` returns how many of the new tokens are kept (a stop string ends the output at the
+    token that completes it) and the text that is safe to show: text that could still grow into a
+    stop string, or an incomplete UTF-8 character, is held back.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.shown = 0
+        self.text = ""
+        self.stopped = False
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def add(self, tokens: list[int]) -> tuple[int, str]:
+        kept = len(tokens)
+        if self.stops:
+            for count in range(1, len(tokens) + 1):
+                candidate = self.decode(self.ids + tokens[:count])
+                cut = min((candidate.find(s) for s in self.stops if s in candidate), default=-1)
+                if cut >= 0:
+                    self.ids += tokens[:count]
+                    self.text = candidate[:cut]
+                    self.stopped = True
+                    return count, self.take(final=True)
+        self.ids += tokens
+        self.text = self.decode(self.ids)
+        return kept, self.take(final=False)
+
+    def take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            for stop in self.stops:
+                for size in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text[:end].endswith(stop[:size]):
+                        end -= size
+                        break
+        end = max(end, self.shown)
+        delta = self.text[self.shown : end]
+        self.shown = end
+        return delta
+
+    def flush(self) -> str:
+        return self.take(final=True)
+
+
+def load(
+    model: str = "default",
+    dtype: str = "bfloat16",
+    drafter: str = "markov",
+    tree: str = "dynamic",
+    backend: str = "native",
+    depth: int | None = None,
+    width: int | None = None,
+    max_nodes: int | None = None,
+    acceptance: str = "lossless",
+    adapt: bool = True,
+    fallback: bool = True,
+    calibrate: bool = True,
+    draft_model: str | None = None,
+    draft_layers: int = 4,
+    heads: str | None = None,
+    lookup_merge: bool = True,
+    loaded: LoadedModel | None = None,
+) -> Engine:
+    """Load a target model and a drafter into an engine.
+
+    ``loaded`` reuses an already loaded target (the bench shares one across methods).
+    """
+    defaults = TreeConfig()
+    tree_config = TreeConfig(
+        kind=tree,
+        depth=depth or (defaults.depth if tree != "chain" else 6),
+        width=width or (defaults.width if tree != "chain" else 1),
+        max_nodes=max_nodes or defaults.max_nodes,
+    )
+    decode_config = DecodeConfig(acceptance=acceptance, adapt=adapt, fallback=fallback and drafter != "none")
+    target = loaded or load_model(model, backend, dtype)
+    options = DrafterOptions(draft_model=draft_model, draft_layers=draft_layers, heads=heads, lookup_merge=lookup_merge)
+    chosen = build_drafter(drafter, target, options, dtype)
+    if calibrate:
+        cost = measure_verify_cost(target.backend, tree_config.max_nodes)
+    else:
+        cost = VerifyCost({1: 1.0, 64: 1.0})
+    eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
+    decoder = Decoder(target.backend, chosen, tree_config, decode_config, cost, frozenset(eos))
+    return Engine(target, decoder, drafter, initial_adapt_state(tree_config))

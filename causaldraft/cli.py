@@ -1,0 +1,154 @@
+"""Command line: generate, show-tree, bench, train-heads, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from causaldraft.config import ACCEPTANCE_RULES, BACKENDS, DTYPES, TREE_KINDS, TreeConfig
+from causaldraft.errors import CausalDraftError
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="default, a local HF checkpoint directory or a .gguf file")
+    parser.add_argument("--backend", choices=BACKENDS, default="native")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+
+
+def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
+    tree = TreeConfig()
+    parser.add_argument("--drafter", default=default_drafter, help="none, lookup, draft, medusa, markov")
+    parser.add_argument("--tree", choices=TREE_KINDS, default=tree.kind)
+    parser.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
+    parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
+    parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
+    parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
+    parser.add_argument("--draft-model", default=None, help="local draft model path (same vocabulary)")
+    parser.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
+    parser.add_argument("--heads", default=None, help="trained heads directory (markov/medusa)")
+    parser.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
+    parser.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
+    parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "model": args.model,
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "drafter": args.drafter,
+        "tree": args.tree,
+        "depth": args.depth,
+        "width": args.width,
+        "max_nodes": args.max_nodes,
+        "acceptance": args.acceptance,
+        "draft_model": args.draft_model,
+        "draft_layers": args.draft_layers,
+        "heads": args.heads,
+        "lookup_merge": not args.no_lookup_merge,
+        "adapt": not args.no_adapt,
+        "fallback": not args.no_fallback,
+    }
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from causaldraft.api import load
+
+    engine = load(**engine_options(args))  # type: ignore[arg-type]
+    options = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "chat": args.chat,
+    }
+    if args.stream and not args.json:
+        for piece in engine.stream(args.prompt, **options):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    result = engine.generate(args.prompt, **options)
+    if args.json:
+        payload = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.summary(),
+                   "finish_reason": result.finish_reason}  # fmt: skip
+        print(json.dumps(payload))
+    else:
+        print(result.text)
+    return 0
+
+
+def run_show_tree(args: argparse.Namespace) -> int:
+    from causaldraft.inspect import show_tree
+
+    show_tree(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="causaldraft", description="Lossless speculative decoding")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    generate.add_argument("--json", action="store_true", help="print one JSON object")
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    add_model_flags(generate)
+    add_drafter_flags(generate, default_drafter="none")
+    add_sampling_flags(generate)
+    generate.set_defaults(func=run_generate)
+
+    show = commands.add_parser("show-tree", help="print one step's draft tree and attention mask")
+    show.add_argument("--prompt", required=True)
+    show.add_argument("--chat", action="store_true")
+    show.add_argument("--png", default=None, help="also save the mask as a PNG")
+    add_model_flags(show)
+    add_drafter_flags(show, default_drafter="lookup")
+    show.set_defaults(func=run_show_tree)
+
+    for name, module in (("bench", "causaldraft.bench.cli"), ("train-heads", "causaldraft.train.cli"),
+                         ("serve", "causaldraft.serve.cli")):  # fmt: skip
+        register_optional(commands, name, module)
+    return parser
+
+
+def register_optional(commands: argparse._SubParsersAction, name: str, module: str) -> None:  # type: ignore[type-arg]
+    import importlib
+
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if not error.name or not error.name.startswith("causaldraft"):
+            raise
+        return
+    loaded.register(commands)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CausalDraftError as error:
+        print(f"causaldraft: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

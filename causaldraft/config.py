@@ -1,0 +1,85 @@
+"""Frozen, validated configuration shared by the API, CLI, server and bench."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from causaldraft.errors import CausalDraftError
+
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+BACKENDS = ("native", "hf")
+TREE_KINDS = ("chain", "static", "dynamic")
+ACCEPTANCE_RULES = ("lossless", "naive")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise CausalDraftError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise CausalDraftError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise CausalDraftError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise CausalDraftError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise CausalDraftError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the draft: kind, initial depth and width, and the node budget ceiling."""
+
+    kind: str = "dynamic"
+    depth: int = 5
+    width: int = 3
+    max_nodes: int = 32
+
+    def __post_init__(self) -> None:
+        if self.kind not in TREE_KINDS:
+            raise CausalDraftError(f"tree must be one of {', '.join(TREE_KINDS)}, got {self.kind!r}")
+        if self.depth < 1 or self.depth > 32:
+            raise CausalDraftError(f"depth must be in [1, 32], got {self.depth}")
+        if self.width < 1 or self.width > 16:
+            raise CausalDraftError(f"width must be in [1, 16], got {self.width}")
+        if self.max_nodes < 2 or self.max_nodes > 256:
+            raise CausalDraftError(f"max_nodes must be in [2, 256], got {self.max_nodes}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Decode-loop policy: acceptance rule, adaptation and fallback."""
+
+    acceptance: str = "lossless"
+    adapt: bool = True
+    fallback: bool = True
+    reprobe_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise CausalDraftError(
+                f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}"
+            )
+        if self.reprobe_every < 1:
+            raise CausalDraftError("reprobe_every must be >= 1")
+
+
+def validate_max_new_tokens(max_new_tokens: object) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise CausalDraftError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise CausalDraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return max_new_tokens

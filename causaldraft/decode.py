@@ -1,0 +1,223 @@
+"""The one decoding loop: draft -> verify -> accept -> commit -> adapt, as a generator.
+
+Plain decoding is the same loop with a root-only draft. State lives in ``DecodeState``; stats in
+``GenerationStats``. Stop rules are applied token by token to the emitted block, so EOS, stop
+strings and max_new_tokens end the output at exactly the same token as plain decoding would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from causaldraft.adapt import AdaptState, VerifyCost, choose_budget, update_after_step
+from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
+from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import Backend, Cache
+from causaldraft.sampling import warp_probs
+from causaldraft.tree import TreeDraft, compile_tree, full_mask, prune
+from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
+
+
+@dataclass(frozen=True)
+class StepStats:
+    nodes: int
+    accepted: int  # draft tokens accepted (tokens emitted - 1)
+    draft_s: float
+    verify_s: float
+    speculated: bool
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    target_forwards: int = 0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    steps: list[StepStats] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)  # steps that drafted >= d tokens deep
+    depth_accepts: list[int] = field(default_factory=list)  # steps that accepted >= d tokens
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def acceptance_by_depth(self) -> list[float]:
+        return [acc / att if att else 0.0 for acc, att in zip(self.depth_accepts, self.depth_attempts, strict=True)]
+
+    def record(self, step: StepStats, tree_depth: int) -> None:
+        self.steps.append(step)
+        self.target_forwards += 1
+        while len(self.depth_attempts) < tree_depth:
+            self.depth_attempts.append(0)
+            self.depth_accepts.append(0)
+        for depth in range(tree_depth):
+            self.depth_attempts[depth] += 1
+            self.depth_accepts[depth] += int(depth < step.accepted)
+
+    def summary(self) -> dict[str, float | int]:
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+        }
+
+
+@dataclass
+class DecodeState:
+    tokens: list[int]  # prompt + emitted; the last one is the root, not yet in the cache
+    prompt_length: int
+    cache: Cache
+    hidden: torch.Tensor | None  # [hidden] target state that predicted the root
+    generator: torch.Generator | None
+    stats: GenerationStats
+    finished: bool = False
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """Everything fixed for one engine: models, drafter, policies and the measured costs."""
+
+    target: Backend
+    drafter: Drafter
+    tree: TreeConfig
+    decode: DecodeConfig
+    cost: VerifyCost
+    eos_token_ids: frozenset[int]
+
+
+def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None) -> DecodeState:
+    """Cache every prompt token but the last, which becomes the first step's root."""
+    if not prompt:
+        raise CausalDraftError("the prompt is empty")
+    limit = decoder.target.shape.max_positions
+    if len(prompt) + max_new_tokens > limit:
+        raise CausalDraftError(
+            f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"context of {limit} tokens"
+        )
+    cache = decoder.target.new_cache(len(prompt) + max_new_tokens + decoder.tree.max_nodes + 1)
+    state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
+    started = time.perf_counter()
+    count = len(prompt) - 1
+    if count:
+        tokens = torch.tensor(prompt[:-1], dtype=torch.long)
+        mask = torch.ones(count, count, dtype=torch.bool).tril()
+        out = decoder.target.forward(tokens, torch.arange(count), mask, cache, torch.tensor([count - 1]))
+        state.hidden = out.hidden[-1]
+    decoder.drafter.start(tuple(prompt))
+    state.stats.prefill_s = time.perf_counter() - started
+    return state
+
+
+def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling: SamplingConfig) -> Draft:
+    if not adapt.speculating:
+        return Draft.root_only(state.tokens[-1])
+    context = DraftContext(
+        tokens=tuple(state.tokens),
+        hidden=state.hidden,
+        tree_kind=decoder.tree.kind,
+        depth=adapt.depth,
+        width=adapt.width,
+        max_nodes=decoder.tree.max_nodes,
+        sampling=sampling,
+        generator=state.generator,
+    )
+    draft = decoder.drafter.propose(context)
+    if draft.tree.size <= 2 or not decoder.decode.adapt or draft.child_mode != "deterministic":
+        return draft
+    ranked = sorted(draft.scores[1:], reverse=True)
+    budget = choose_budget(ranked, adapt, decoder.cost, decoder.tree.max_nodes)
+    if budget >= draft.tree.size:
+        return draft
+    tree = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), budget)
+    return Draft.from_tree_draft(tree)
+
+
+def verify_step(
+    decoder: Decoder, state: DecodeState, draft: Draft, sampling: SamplingConfig
+) -> tuple[Acceptance, torch.Tensor]:
+    """One target pass over the tree; returns the acceptance and the hidden states [n, hidden]."""
+    compiled = compile_tree(draft.tree)
+    length = state.cache.length
+    tokens = torch.tensor(draft.tree.tokens, dtype=torch.long)
+    out = decoder.target.forward(tokens, compiled.depths + length, full_mask(compiled, length), state.cache)
+    if sampling.greedy:
+        return verify_greedy(draft.tree, out.logits), out.hidden
+    target_probs = warp_probs(out.logits, sampling)
+    if decoder.decode.acceptance == "naive":
+        return verify_naive(draft.tree, target_probs, state.generator), out.hidden
+    return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator), out.hidden
+
+
+def commit_step(state: DecodeState, prefix_length: int, acceptance: Acceptance, hidden: torch.Tensor) -> None:
+    """Keep the KV entries of the accepted path (root included); the final token is the next root.
+
+    hidden: [n, hidden] from the verify pass; the accepted path's last node predicted that token.
+    """
+    state.cache.commit([prefix_length + node for node in acceptance.path], prefix_length)
+    state.hidden = hidden[acceptance.path[-1]]
+
+
+def decode_steps(
+    decoder: Decoder,
+    state: DecodeState,
+    adapt: AdaptState,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+) -> Iterator[list[int]]:
+    """Yield each step's emitted tokens, cut at EOS and max_new_tokens (EOS itself is emitted)."""
+    while not state.finished:
+        started = time.perf_counter()
+        draft = draft_step(decoder, state, adapt, sampling)
+        drafted_at = time.perf_counter()
+        prefix_length = state.cache.length
+        acceptance, hidden = verify_step(decoder, state, draft, sampling)
+        verified_at = time.perf_counter()
+        commit_step(state, prefix_length, acceptance, hidden)
+        emitted = accept_tokens(decoder, state, list(acceptance.tokens), max_new_tokens)
+        result = StepResult(draft, acceptance, tuple(state.tokens))
+        decoder.drafter.observe(result)
+        accepted = len(acceptance.path) - 1
+        step = StepStats(draft.tree.size, accepted, drafted_at - started, verified_at - drafted_at, adapt.speculating)
+        state.stats.record(step, max_depth(draft))
+        decoder.cost.update(draft.tree.size, step.verify_s)
+        update_after_step(
+            adapt, decoder.tree, decoder.decode, decoder.cost, draft.tree.size - 1,
+            sum(draft.scores[1:]) if draft.tree.size > 1 else 0.0, accepted, step.draft_s, draft.tree.size,
+        )  # fmt: skip
+        if emitted:
+            yield emitted
+
+
+def accept_tokens(decoder: Decoder, state: DecodeState, tokens: list[int], max_new_tokens: int) -> list[int]:
+    emitted = []
+    for token in tokens:
+        state.tokens.append(token)
+        emitted.append(token)
+        state.stats.new_tokens += 1
+        if token in decoder.eos_token_ids:
+            state.finished, state.finish_reason = True, "stop"
+            break
+        if state.stats.new_tokens >= max_new_tokens:
+            state.finished, state.finish_reason = True, "length"
+            break
+    return emitted
+
+
+def max_depth(draft: Draft) -> int:
+    depths = [0] * draft.tree.size
+    for node in range(1, draft.tree.size):
+        depths[node] = depths[draft.tree.parents[node]] + 1
+    return max(depths)

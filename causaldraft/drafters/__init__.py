@@ -1,0 +1,1 @@
+"""Drafters behind one protocol: propose(context) -> Draft, observe(result)."""

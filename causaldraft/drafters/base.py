@@ -1,0 +1,73 @@
+"""The drafter protocol and the frozen records passed between decode-loop stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from causaldraft.config import SamplingConfig
+from causaldraft.tree import Tree, TreeDraft
+from causaldraft.verify import Acceptance
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    tokens: tuple[int, ...]  # prompt + output so far; the last one is the root (not yet cached)
+    hidden: torch.Tensor | None  # [hidden] target hidden state that predicted the root, if any
+    tree_kind: str
+    depth: int
+    width: int
+    max_nodes: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class Draft:
+    tree: Tree
+    scores: tuple[float, ...]  # cumulative draft probability per node (root 1.0)
+    child_mode: str  # "deterministic" | "sampled" | "without_replacement"
+    draft_probs: torch.Tensor | None = None  # [n, vocab] distribution each node's children came from
+
+    @staticmethod
+    def root_only(root: int) -> Draft:
+        return Draft(Tree((-1,), (root,)), (1.0,), "deterministic")
+
+    @staticmethod
+    def from_tree_draft(draft: TreeDraft, child_mode: str = "deterministic") -> Draft:
+        return Draft(draft.freeze(), tuple(draft.scores), child_mode)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    draft: Draft
+    acceptance: Acceptance
+    tokens: tuple[int, ...]  # the whole sequence after the step; the last one is the new root
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt: tuple[int, ...]) -> None:
+        """A new sequence begins; reset any per-sequence state."""
+
+    def propose(self, context: DraftContext) -> Draft: ...
+
+    def observe(self, result: StepResult) -> None: ...
+
+
+class NoDrafter:
+    """Plain decoding: every step verifies only the root."""
+
+    name = "none"
+
+    def start(self, prompt: tuple[int, ...]) -> None:
+        return None
+
+    def propose(self, context: DraftContext) -> Draft:
+        return Draft.root_only(context.tokens[-1])
+
+    def observe(self, result: StepResult) -> None:
+        return None

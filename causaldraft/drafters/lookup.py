@@ -1,0 +1,73 @@
+"""Prompt lookup: propose continuations of earlier occurrences of the latest n-gram.
+
+An index from n-gram to the positions that follow it is extended incrementally as tokens arrive.
+Longer n-grams are tried first; the most recent occurrences first. Several distinct
+continuations become a tree sharing prefixes (a trie).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from causaldraft.drafters.base import Draft, DraftContext, StepResult
+from causaldraft.tree import TreeDraft, merge_paths
+
+
+class LookupDrafter:
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self.indexed = 0
+        self.hit_rate = 0.6  # running per-token acceptance of lookup proposals, for scores
+
+    def start(self, prompt: tuple[int, ...]) -> None:
+        self.index = defaultdict(list)
+        self.indexed = 0
+
+    def update_index(self, tokens: tuple[int, ...]) -> None:
+        """Record, for every n-gram ending before position p, that p follows it."""
+        for end in range(max(self.indexed, 1), len(tokens)):
+            for size in range(self.min_ngram, self.max_ngram + 1):
+                if end - size >= 0:
+                    self.index[tokens[end - size : end]].append(end)
+        self.indexed = max(self.indexed, len(tokens))
+
+    def continuations(self, tokens: tuple[int, ...], depth: int, limit: int) -> list[tuple[int, ...]]:
+        """Up to ``limit`` distinct continuations (length <= depth) of the latest n-gram."""
+        self.update_index(tokens)
+        found: list[tuple[int, ...]] = []
+        for size in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) < size:
+                continue
+            followers = self.index.get(tokens[len(tokens) - size :], [])
+            for start in reversed(followers):
+                if start >= len(tokens):
+                    continue
+                continuation = tokens[start : start + depth]
+                if continuation and not any(seen[: len(continuation)] == continuation for seen in found):
+                    found.append(continuation)
+                if len(found) >= limit:
+                    return found
+        return found
+
+    def propose(self, context: DraftContext) -> Draft:
+        limit = 1 if context.tree_kind == "chain" else context.width
+        paths = self.continuations(context.tokens, context.depth, limit)
+        draft = TreeDraft(parents=[-1], tokens=[context.tokens[-1]], scores=[1.0])
+        for rank, path in enumerate(paths):
+            for offset in range(len(path)):
+                score = self.hit_rate ** (offset + 1) / (rank + 1)
+                merge_paths(draft, [path[: offset + 1]], score, context.max_nodes)
+        return Draft.from_tree_draft(draft)
+
+    def observe(self, result: StepResult) -> None:
+        tree = result.draft.tree
+        if tree.size > 1:
+            depth = [0] * tree.size
+            for node in range(1, tree.size):
+                depth[node] = depth[tree.parents[node]] + 1
+            accepted = len(result.acceptance.path) - 1
+            self.hit_rate = 0.9 * self.hit_rate + 0.1 * accepted / max(depth)

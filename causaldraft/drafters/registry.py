@@ -1,0 +1,71 @@
+"""Drafter registry: names to constructors. Each takes the loaded target and drafter options."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from causaldraft.drafters.base import Drafter, NoDrafter
+from causaldraft.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
+from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.native import NativeLlama
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    draft_model: str | None = None  # local path of a separate draft model (same vocabulary)
+    draft_layers: int = 4  # self-draft: how many of the target's first layers
+    heads: str | None = None  # trained heads directory (markov / medusa); None = shipped default
+    lookup_merge: bool = True  # merge prompt-lookup candidates into head trees
+    draft_dtype: str | None = None  # dtype of a separate draft model; None = the target's
+
+    def __post_init__(self) -> None:
+        if self.draft_layers < 1:
+            raise CausalDraftError(f"draft_layers must be >= 1, got {self.draft_layers}")
+
+
+def build_none(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+    return NoDrafter()
+
+
+def build_lookup(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+    return LookupDrafter()
+
+
+def build_draft(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+    if options.draft_model is None:
+        if not isinstance(target.backend, NativeLlama):
+            raise CausalDraftError("the self-draft needs the native backend (or pass --draft-model PATH)")
+        return DraftModelDrafter(target.backend.truncated(options.draft_layers), name="draft")
+    if not Path(options.draft_model).exists():
+        raise CausalDraftError(f"draft model path {options.draft_model} does not exist")
+    draft = load_model(options.draft_model, "native", options.draft_dtype or dtype)
+    check_same_vocabulary(target.tokenizer.get_vocab(), draft.tokenizer.get_vocab())
+    return DraftModelDrafter(draft.backend, name="draft")
+
+
+def build_heads(kind: str) -> Callable[[LoadedModel, DrafterOptions, str], Drafter]:
+    def build(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+        from causaldraft.drafters.heads import load_heads_drafter
+
+        return load_heads_drafter(kind, target, options)
+
+    return build
+
+
+DRAFTERS: dict[str, Callable[[LoadedModel, DrafterOptions, str], Drafter]] = {
+    "none": build_none,
+    "lookup": build_lookup,
+    "draft": build_draft,
+    "medusa": build_heads("medusa"),
+    "markov": build_heads("markov"),
+}
+
+
+def build_drafter(name: str, target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+    if name not in DRAFTERS:
+        raise CausalDraftError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[name](target, options, dtype)

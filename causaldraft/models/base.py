@@ -1,0 +1,57 @@
+"""The backend protocol: one forward over any set of new tokens against a KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What callers need to know about a model, whatever its backend."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_positions: int
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [rows, vocab] float32 (rows = all new tokens, or the requested rows)
+    hidden: torch.Tensor  # [n, hidden] last-layer hidden states (after the final norm)
+
+
+class Cache(Protocol):
+    length: int
+    max_len: int
+
+    def commit(self, slots: list[int], start: int) -> None: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def check_room(self, new_tokens: int) -> None: ...
+
+
+class Backend(Protocol):
+    shape: ModelShape
+    dtype: torch.dtype
+
+    def new_cache(self, max_len: int) -> Cache: ...
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [n] long
+        positions: torch.Tensor,  # [n] long
+        mask: torch.Tensor,  # [n, cache.length + n] bool, True = may attend
+        cache: Cache,
+        logits_rows: torch.Tensor | None = None,  # [m] long rows of the new tokens to score; None = all
+    ) -> ForwardOutput: ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        ...
+
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        ...

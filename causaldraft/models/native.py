@@ -1,0 +1,257 @@
+"""A compact Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2) over any tree of new tokens.
+
+RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or untied LM head. Weights are read from a
+Hugging Face checkpoint directory (config.json + *.safetensors) without transformers' model classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from causaldraft.cache import KVCache
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import ForwardOutput, ModelShape
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    tie_embeddings: bool
+    qkv_bias: bool
+    max_positions: int
+
+    @staticmethod
+    def from_config(config: PretrainedConfig) -> LlamaShape:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise CausalDraftError(
+                f"the native backend does not support model_type {config.model_type!r} "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --backend hf"
+            )
+        num_heads = int(config.num_attention_heads)
+        hidden = int(config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        return LlamaShape(
+            vocab_size=int(config.vocab_size),
+            hidden_size=hidden,
+            num_layers=int(config.num_hidden_layers),
+            num_heads=num_heads,
+            kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(config.intermediate_size),
+            rms_eps=float(config.rms_norm_eps),
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            max_positions=int(getattr(config, "max_position_embeddings", 4096)),
+        )
+
+
+def rope_inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and attention scaling, via transformers' rope registry."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        return (1.0 / theta**exponents).float(), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise CausalDraftError(f"unsupported rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.shape = shape
+        hd = shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * hd, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, shape.kv_heads * hd, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, shape.kv_heads * hd, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.num_heads * hd, shape.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, hidden]
+        cos: torch.Tensor,  # [n, head_dim]
+        sin: torch.Tensor,  # [n, head_dim]
+        mask: torch.Tensor,  # [n, length + n] bool
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        hd = self.shape.head_dim
+        q = self.q_proj(x).view(n, self.shape.num_heads, hd).transpose(0, 1)  # [nh, n, hd]
+        k = self.k_proj(x).view(n, self.shape.kv_heads, hd).transpose(0, 1)  # [kvh, n, hd]
+        v = self.v_proj(x).view(n, self.shape.kv_heads, hd).transpose(0, 1)  # [kvh, n, hd]
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        keys, values = cache.write_layer(layer, k, v)  # [kvh, length + n, hd]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
+        )  # [1, nh, n, hd]
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, self.shape.num_heads * hd))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, hd]; cos, sin: [n, hd] (rotate-half convention of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_eps)
+        self.self_attn = Attention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_eps)
+        self.mlp = MLP(shape)
+
+
+class NativeLlama(nn.Module):
+    """The backend: ``forward`` over n new tokens with explicit positions and a boolean mask."""
+
+    def __init__(self, shape: LlamaShape, inv_freq: torch.Tensor, rope_scaling: float) -> None:
+        super().__init__()
+        self.llama_shape = shape
+        self.shape = ModelShape(shape.vocab_size, shape.hidden_size, shape.num_layers, shape.max_positions)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scaling = rope_scaling
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.norm.weight.dtype
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype) -> NativeLlama:
+        config = AutoConfig.from_pretrained(str(model_dir))
+        shape = LlamaShape.from_config(config)
+        inv_freq, scaling = rope_inverse_frequencies(config, shape.head_dim)
+        with torch.device("meta"):
+            model = cls(shape, torch.empty(0), scaling)
+        state = read_safetensors(model_dir)
+        if shape.tie_embeddings or "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        renamed = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+        expected = set(model.state_dict())
+        missing = expected - set(renamed)
+        if missing:
+            raise CausalDraftError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:3]}")
+        model.load_state_dict({k: renamed[k] for k in expected}, assign=True)
+        model.inv_freq = inv_freq
+        model = model.to(dtype)
+        model.inv_freq = inv_freq  # keep rope frequencies in fp32
+        return model.eval().requires_grad_(False)
+
+    def truncated(self, num_layers: int) -> NativeLlama:
+        """The self-draft: the first ``num_layers`` layers with the final norm and LM head, sharing
+        this model's weights (no copy)."""
+        if not 1 <= num_layers < self.llama_shape.num_layers:
+            raise CausalDraftError(
+                f"self-draft layers must be in [1, {self.llama_shape.num_layers - 1}], got {num_layers}"
+            )
+        shape = replace(self.llama_shape, num_layers=num_layers)
+        with torch.device("meta"):
+            draft = NativeLlama(shape, torch.empty(0), self.rope_scaling)
+        draft.embed_tokens = self.embed_tokens
+        draft.layers = nn.ModuleList(self.layers[:num_layers])
+        draft.norm = self.norm
+        draft.lm_head = self.lm_head
+        draft.inv_freq = self.inv_freq
+        return draft.eval()
+
+    def new_cache(self, max_len: int) -> KVCache:
+        s = self.llama_shape
+        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, hd/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [n, hd]
+        cos = (angles.cos() * self.rope_scaling).to(self.dtype)
+        sin = (angles.sin() * self.rope_scaling).to(self.dtype)
+        return cos, sin
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def forward(  # type: ignore[override]
+        self,
+        tokens: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        mask: torch.Tensor,  # [n, cache.length + n] bool
+        cache: KVCache,
+        logits_rows: torch.Tensor | None = None,  # [m]
+    ) -> ForwardOutput:
+        n = tokens.shape[0]
+        cache.check_room(n)
+        x = self.embed_tokens(tokens)  # [n, hidden]
+        cos, sin = self.rope(positions)
+        for index, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.append(n)
+        hidden = self.norm(x)  # [n, hidden]
+        scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
+        logits = self.lm_head(scored).float()  # [m, vocab]
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CausalDraftError(f"no *.safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    state[name] = handle.get_tensor(name)
+        except Exception as error:  # safetensors raises several types for corrupt files
+            raise CausalDraftError(f"corrupt weights file {file}: {error}") from error
+    return state

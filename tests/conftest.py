@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import save_tiny_gpt2, save_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-shaped model with qkv bias (the Qwen2 layout), saved as model_type qwen2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import torch
+
+    from tests.tiny import byte_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-qwen")
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=2)  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    byte_tokenizer().save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep converted/quantized caches of tests out of the user's home, except the default model."""
+    monkeypatch.setenv("CAUSALDRAFT_TEST", "1")

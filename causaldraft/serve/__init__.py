@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: one engine worker behind a bounded queue."""

@@ -1,0 +1,321 @@
+"""The FastAPI app: OpenAI-compatible endpoints in front of one engine worker.
+
+``create_app(engine)`` builds everything the server needs (worker, queue, metrics) and returns the
+app; nothing is global. Every error leaves as an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from causaldraft.api import Engine
+from causaldraft.serve.metrics import Metrics
+from causaldraft.serve.schemas import ChatCompletionRequest, CompletionRequest, GenerationParams
+from causaldraft.serve.worker import Event, Failed, Finished, GenerationRequest, Job, Piece, QueueFull, Started, Worker
+
+DEFAULT_MAX_QUEUE = 16
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def parse_body(model: type[RequestModel], raw: bytes) -> RequestModel:
+    """Validate a JSON body; the first problem becomes a 400 naming the offending parameter."""
+    try:
+        return model.model_validate_json(raw or b"null")
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"the request body is not valid JSON: {first['msg']}", None, "invalid_json") from None
+        location = [str(part) for part in first["loc"]]
+        if not location:
+            raise ApiError(400, "the request body must be a JSON object", None, "invalid_body") from None
+        param = ".".join(location)
+        message = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"invalid parameter {param}: {message}", location[0], first["type"]) from None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def body(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": total}  # fmt: skip
+
+
+class Inbox:
+    """Events from the worker thread, awaited on the server's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.pending: asyncio.Future[Event] | None = None
+
+    def deliver(self, event: Event) -> None:  # called from the worker thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    async def next(self, timeout: float | None) -> Event | None:
+        """The next event, or None after ``timeout`` seconds (the pending read is kept, never lost)."""
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(self.events.get())
+        done, _ = await asyncio.wait({self.pending}, timeout=timeout)
+        if not done:
+            return None
+        event = self.pending.result()
+        self.pending = None
+        return event
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """How one endpoint formats its answers: completions and chat differ only in the choice body."""
+
+    chat: bool
+    model: str
+    request_id: str
+    created: int
+
+    def choice(self, text: str, finish_reason: str | None, stream: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        key = "delta" if stream else "message"
+        content: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
+        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
+                                "model": self.model, "choices": choices}  # fmt: skip
+        if usage is not None or not stream:
+            body["usage"] = usage.body() if usage is not None else None
+        return body
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None) -> FastAPI:
+    """An app serving ``engine``; its worker thread starts and stops with the app's lifespan."""
+    metrics = Metrics()
+    worker = Worker(engine, metrics, max_queue)
+    served_model = model_name or engine.model.model_dir.name
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="causaldraft", lifespan=lifespan)
+    app.add_middleware(StatusRecorder, metrics=metrics)  # type: ignore[arg-type]
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return error_response(error.status, error.message, error.param, error.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(error).__name__}: {error}")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = worker.alive
+        body = {"status": "ok" if alive else "worker stopped", "model": served_model,
+                "queue_depth": worker.queue_depth, "running": worker.running.is_set()}  # fmt: skip
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        text = metrics.render(worker.queue_depth, worker.max_queue, worker.running.is_set())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served_model, "object": "model", "created": created, "owned_by": "causaldraft",
+                "context_length": worker.context_length}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(CompletionRequest, await request.body())
+        generation = generation_request(body, prompt=body.prompt_input(), messages=None, max_tokens=body.max_tokens)
+        return await respond(request, body, generation, Reply(False, served_model, f"cmpl-{uuid.uuid4().hex}",
+                                                              int(time.time())))  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(ChatCompletionRequest, await request.body())
+        generation = generation_request(body, prompt=None, messages=body.chat_messages(),
+                                        max_tokens=body.requested_max_tokens())  # fmt: skip
+        return await respond(request, body, generation, Reply(True, served_model, f"chatcmpl-{uuid.uuid4().hex}",
+                                                              int(time.time())))  # fmt: skip
+
+    def generation_request(
+        body: GenerationParams, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
+        max_tokens: int | None,
+    ) -> GenerationRequest:  # fmt: skip
+        if body.model != served_model:
+            raise ApiError(400, f"model {body.model!r} is not served here; use {served_model!r}", "model",
+                           "model_not_found")  # fmt: skip
+        if max_tokens is not None and max_tokens > worker.context_length:
+            raise ApiError(400, f"max_tokens {max_tokens} exceeds the model's context of {worker.context_length} "
+                           "tokens", "max_tokens")  # fmt: skip
+        return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops())
+
+    async def respond(
+        request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply
+    ) -> Response:
+        inbox = Inbox(asyncio.get_running_loop())
+        job = Job(generation, inbox.deliver)
+        try:
+            worker.submit(job)
+        except QueueFull as error:
+            raise ApiError(429, str(error), None, "queue_full") from None
+        try:
+            first = await wait_event(request, inbox, job)
+            if isinstance(first, Failed):
+                raise ApiError(first.status, first.message, first.param)
+            assert isinstance(first, Started)
+            if body.stream:
+                return StreamingResponse(stream(inbox, job, reply, body.include_usage),
+                                         media_type="text/event-stream")  # fmt: skip
+            return await collect(request, inbox, job, reply)
+        except ClientGone:
+            inbox.close()
+            return Response(status_code=499)
+        except BaseException:
+            job.cancelled.set()
+            inbox.close()
+            raise
+
+    async def wait_event(request: Request, inbox: Inbox, job: Job) -> Event:
+        while True:
+            event = await inbox.next(DISCONNECT_POLL_S)
+            if event is not None:
+                return event
+            if await request.is_disconnected():
+                job.cancelled.set()
+                raise ClientGone
+
+    async def collect(request: Request, inbox: Inbox, job: Job, reply: Reply) -> JSONResponse:
+        texts: list[str] = []
+        while True:
+            event = await wait_event(request, inbox, job)
+            if isinstance(event, Piece):
+                texts.append(event.text)
+            elif isinstance(event, Finished):
+                usage = Usage(event.prompt_tokens, event.completion_tokens)
+                return JSONResponse(
+                    reply.body([reply.choice("".join(texts), event.finish_reason, False)], False, usage)
+                )
+            elif isinstance(event, Failed):
+                raise ApiError(event.status, event.message, event.param)
+
+    async def stream(inbox: Inbox, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE chunks; if the client goes away, starlette cancels this generator and the job stops."""
+        try:
+            if reply.chat:
+                first = reply.choice("", None, True)
+                first["delta"]["role"] = "assistant"
+                yield sse(reply.body([first], True, None))
+            while True:
+                event = await inbox.next(None)
+                if isinstance(event, Piece) and event.text:
+                    yield sse(reply.body([reply.choice(event.text, None, True)], True, None))
+                elif isinstance(event, Finished):
+                    yield sse(reply.body([reply.choice("", event.finish_reason, True)], True, None))
+                    if include_usage:
+                        yield sse(reply.body([], True, Usage(event.prompt_tokens, event.completion_tokens)))
+                    break
+                elif isinstance(event, Failed):
+                    error_type = ERROR_TYPES.get(event.status, "server_error")
+                    yield sse({"error": {"message": event.message, "type": error_type, "param": event.param,
+                                         "code": None}})  # fmt: skip
+                    break
+            yield sse("[DONE]")
+        finally:
+            job.cancelled.set()
+            inbox.close()
+
+    return app
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class StatusRecorder:
+    """ASGI middleware counting responses by path and status (unknown paths count as ``other``)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+        recorded = False
+
+        async def recording_send(message: Message) -> None:
+            nonlocal recorded
+            if message["type"] == "http.response.start" and not recorded:
+                recorded = True
+                self.metrics.record_response(path, int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            if not recorded:  # the client left before any response started
+                self.metrics.record_response(path, 499)

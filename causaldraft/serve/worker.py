@@ -1,0 +1,210 @@
+"""The single engine worker: one thread takes jobs from a bounded FIFO queue and runs them.
+
+The engine is not thread-safe, so only this thread touches it. A job reports events through a
+thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``Piece`` (text delta), then exactly
+one of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client went away)
+stops at the next decoding step, or is skipped if it has not started yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+from causaldraft.api import Engine
+from causaldraft.errors import CausalDraftError
+from causaldraft.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_TOKENS = 512  # chat has no OpenAI default: capped by the context left
+
+
+class QueueFull(Exception):
+    """The bounded queue has no room: the server answers 429."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | list[int] | None  # completions: text or token ids
+    messages: list[dict[str, str]] | None  # chat: rendered with the model's chat template
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+
+    @property
+    def default_max_tokens(self) -> int:
+        return DEFAULT_CHAT_TOKENS if self.messages is not None else DEFAULT_COMPLETION_TOKENS
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    token_count: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int  # 400 for a user error, 500 for a server fault
+    message: str
+    param: str | None = None
+
+
+Event = Started | Piece | Finished | Failed
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    deliver: Callable[[Event], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """Owns the engine and the queue; ``submit`` is safe from any thread."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int) -> None:
+        if max_queue < 1:
+            raise CausalDraftError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.running = threading.Event()  # a job is being served
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.loop, name="causaldraft-engine", daemon=True)
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.model.backend.shape.max_positions
+
+    @property
+    def queue_depth(self) -> int:
+        return self.jobs.qsize()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full as error:
+            raise QueueFull(f"the server is busy: {self.max_queue} requests are already waiting") from error
+
+    def loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.running.set()
+            try:
+                self.serve(job)
+            finally:
+                self.running.clear()
+
+    def serve(self, job: Job) -> None:
+        """Run one job; every failure becomes a ``Failed`` event, never a dead worker."""
+        if job.cancelled.is_set():
+            self.metrics.record_outcome("cancelled")
+            return
+        try:
+            outcome = self.generate(job)
+        except CausalDraftError as error:
+            outcome = "rejected"
+            self.deliver(job, Failed(400, str(error), param_of(str(error))))
+        except Exception as error:  # the worker must survive any fault of one request
+            log.exception("generation failed")
+            outcome = "failed"
+            self.deliver(job, Failed(500, f"internal error: {type(error).__name__}: {error}"))
+        self.metrics.record_outcome(outcome)
+
+    def generate(self, job: Job) -> str:
+        request = job.request
+        engine = self.engine
+        if request.messages is not None:
+            prompt_ids = engine.encode_chat(request.messages)
+        else:
+            assert request.prompt is not None
+            prompt_ids = engine.encode(request.prompt)
+        if not prompt_ids:
+            raise CausalDraftError("the prompt is empty")
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise CausalDraftError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context_length} tokens"
+            )
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(request.default_max_tokens, room)
+        if max_tokens > room:
+            raise CausalDraftError(
+                f"max_tokens {max_tokens} + prompt of {len(prompt_ids)} tokens exceeds the model's context "
+                f"of {self.context_length} tokens"
+            )
+        self.deliver(job, Started(len(prompt_ids), max_tokens))
+        started = time.perf_counter()
+        previous_stats = engine.last_stats
+        pieces = engine.pieces(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
+                               top_p=request.top_p, seed=request.seed, stop=request.stop)  # fmt: skip
+        completion_tokens = 0
+        cancelled = False
+        try:
+            for piece in pieces:
+                completion_tokens += len(piece.token_ids)
+                self.deliver(job, Piece(piece.text, len(piece.token_ids)))
+                if job.cancelled.is_set():
+                    cancelled = True
+                    break
+        finally:
+            if isinstance(pieces, Generator):
+                pieces.close()
+            if engine.last_stats is not previous_stats:  # prefill ran: these stats are this request's
+                self.metrics.record_generation(engine.last_stats, len(prompt_ids), time.perf_counter() - started)
+        if cancelled:
+            return "cancelled"
+        self.deliver(job, Finished(engine.finish_reason, len(prompt_ids), completion_tokens))
+        return "completed"
+
+    def deliver(self, job: Job, event: Event) -> None:
+        try:
+            job.deliver(event)
+        except RuntimeError:  # the server's event loop is gone (shutdown): nobody is listening
+            job.cancelled.set()
+
+
+def param_of(message: str) -> str | None:
+    """The request field a user error is about, for the OpenAI error body."""
+    for name, param in (("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"), ("prompt", "prompt"),
+                        ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
+                        ("token ids", "prompt"), ("chat template", "messages")):  # fmt: skip
+        if name in message:
+            return param
+    return None

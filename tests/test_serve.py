@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server: a real uvicorn on loopback, driven by the official openai client."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from causaldraft.api import Engine, StreamPiece, load
+from causaldraft.cli import build_parser
+from causaldraft.decode import GenerationStats
+from causaldraft.serve.app import create_app
+from causaldraft.serve.metrics import Metrics
+from causaldraft.serve.server import BackgroundServer
+from causaldraft.serve.worker import Event, Failed, Finished, GenerationRequest, Job, Started, Worker
+
+MODEL = "tiny"
+LONG_PROMPT = "Hello there"  # greedy on the tiny model runs to the length limit, no early EOS
+LONG_TOKENS = 450
+
+
+def tiny_engine(model_dir: Path) -> Engine:
+    return load(model=str(model_dir), dtype="float32", drafter="lookup", calibrate=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> Engine:
+    """A second engine on the same model, for the expected outputs (the server's is the worker's alone)."""
+    return tiny_engine(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path) -> Iterator[BackgroundServer]:
+    app = create_app(tiny_engine(tiny_llama_dir), max_queue=1, model_name=MODEL)
+    with BackgroundServer(app) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(server: BackgroundServer) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_until(condition: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_models_and_health(server: BackgroundServer, client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL]
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_greedy_equals_engine(client: openai.OpenAI, reference: Engine) -> None:
+    expected = reference.generate(LONG_PROMPT, max_new_tokens=24)
+    result = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=24, temperature=0)
+    assert result.choices[0].text == expected.text
+    assert result.choices[0].finish_reason == expected.finish_reason == "length"
+    assert result.usage is not None
+    assert result.usage.completion_tokens == len(expected.token_ids) == 24
+    assert result.usage.prompt_tokens == len(reference.encode(LONG_PROMPT))
+
+
+def test_completion_stream_equals_engine(client: openai.OpenAI, reference: Engine) -> None:
+    expected = reference.generate("abc", max_new_tokens=20, stop=["zz"])
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=["zz"],
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text == expected.text
+    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    assert finish == [expected.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_greedy_equals_engine(client: openai.OpenAI, reference: Engine) -> None:
+    expected = reference.generate("Tell me a story", max_new_tokens=16, chat=True)
+    messages: Any = [{"role": "user", "content": "Tell me a story"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.usage is not None and result.usage.completion_tokens == len(expected.token_ids)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                              stream=True)  # fmt: skip
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_stream_ends_with_done(server: BackgroundServer) -> None:
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+
+
+COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+MALFORMED = [
+    ("completions", b"{not json", None),
+    ("completions", b"[1, 2]", None),
+    ("completions", b"", None),
+    ("completions", {**COMPLETION, "prompt": None}, "prompt"),
+    ("completions", {"model": MODEL, "max_tokens": 4}, "prompt"),
+    ("completions", {**COMPLETION, "prompt": ""}, "prompt"),
+    ("completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
+    ("completions", {**COMPLETION, "prompt": [999999]}, "prompt"),
+    ("completions", {**COMPLETION, "prompt": "x" * 600}, "prompt"),
+    ("completions", {**COMPLETION, "prompt": "x" * 600, "stream": True}, "prompt"),
+    ("completions", {**COMPLETION, "prompt": "x" * 300, "max_tokens": 300}, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": 2.5}, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": True}, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
+    ("completions", {**COMPLETION, "max_tokens": 10**12}, "max_tokens"),
+    ("completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
+    ("completions", {**COMPLETION, "temperature": 7}, "temperature"),
+    ("completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
+    ("completions", {**COMPLETION, "top_p": 0}, "top_p"),
+    ("completions", {**COMPLETION, "top_p": 1.5}, "top_p"),
+    ("completions", {**COMPLETION, "seed": "seven"}, "seed"),
+    ("completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("completions", {**COMPLETION, "stream": "yes"}, "stream"),
+    ("completions", {**COMPLETION, "n": 2}, "n"),
+    ("completions", {**COMPLETION, "model": "gpt-4"}, "model"),
+    ("chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("chat/completions", {**CHAT, "messages": "hi"}, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 600}]}, "prompt"),
+    ("chat/completions", {**CHAT, "max_tokens": -3}, "max_tokens"),
+    ("chat/completions", {**CHAT, "n": 3}, "n"),
+    ("chat/completions", {**CHAT, "model": "other"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), MALFORMED)
+def test_malformed_request_gets_openai_error(
+    server: BackgroundServer, endpoint: str, body: bytes | dict[str, Any], param: str | None
+) -> None:
+    url = f"{server.url}/v1/{endpoint}"
+    if isinstance(body, bytes):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        response = httpx.post(url, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+def test_unknown_route_and_method_get_error_bodies(server: BackgroundServer) -> None:
+    missing = httpx.get(f"{server.url}/v1/engines")
+    assert missing.status_code == 404 and "message" in missing.json()["error"]
+    wrong_method = httpx.get(f"{server.url}/v1/completions")
+    assert wrong_method.status_code == 405 and "message" in wrong_method.json()["error"]
+
+
+def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=4, n=2)
+    assert "n=1" in str(caught.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_disconnect_mid_stream_frees_the_worker(
+    server: BackgroundServer, client: openai.OpenAI, reference: Engine
+) -> None:
+    before = metrics(server)
+    stream = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0,
+                                       stream=True)  # fmt: skip
+    next(iter(stream))
+    stream.close()
+    expected = reference.generate("abc", max_new_tokens=6)
+    result = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0)
+    assert result.choices[0].text == expected.text
+    after = metrics(server)
+    cancelled = 'causaldraft_generations_total{outcome="cancelled"}'
+    assert after[cancelled] == before[cancelled] + 1  # the worker broke off the stream, it did not finish it
+    generated = after["causaldraft_generated_tokens_total"] - before["causaldraft_generated_tokens_total"]
+    assert generated < LONG_TOKENS  # the long request stopped early: it did not run to its length
+
+
+def test_queue_full_gets_429(server: BackgroundServer, client: openai.OpenAI, reference: Engine) -> None:
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as slow:
+        assert slow.status_code == 200
+        lines = slow.iter_lines()  # keep the iterator: dropping it would close the connection
+        next(lines)  # the slow request is being generated: the worker is busy
+        assert metrics(server)["causaldraft_requests_running"] == 1
+        queued: dict[str, str | None] = {}
+
+        def send_queued() -> None:
+            queued["text"] = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0
+                                                       ).choices[0].text  # fmt: skip
+
+        waiter = threading.Thread(target=send_queued)
+        waiter.start()
+        wait_until(lambda: metrics(server)["causaldraft_queue_depth"] == 1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=5)
+        assert caught.value.status_code == 429
+        assert caught.value.body["code"] == "queue_full"  # type: ignore[index]
+    waiter.join(timeout=120)  # leaving the block disconnected the slow stream: the queued request runs
+    assert queued["text"] == reference.generate("abc", max_new_tokens=5).text
+    assert metrics(server)['causaldraft_requests_total{path="/v1/completions",status="429"}'] >= 1
+
+
+def test_metrics_change_after_requests(server: BackgroundServer, client: openai.OpenAI) -> None:
+    before = metrics(server)
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    after = metrics(server)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        key = f'causaldraft_requests_total{{path="{path}",status="200"}}'
+        assert after[key] == before.get(key, 0) + 1
+    assert after["causaldraft_generated_tokens_total"] > before["causaldraft_generated_tokens_total"]
+    assert after["causaldraft_target_forwards_total"] > before["causaldraft_target_forwards_total"]
+    assert after["causaldraft_mean_accepted_length"] >= 1.0
+    assert 0.0 <= after["causaldraft_acceptance_rate"] <= 1.0
+    assert after["causaldraft_tokens_per_second"] > 0
+    assert after["causaldraft_queue_depth"] == 0
+    assert after["causaldraft_queue_capacity"] == 1
+
+
+@dataclass
+class FaultyShape:
+    max_positions: int = 64
+
+
+@dataclass
+class FaultyBackend:
+    shape: FaultyShape = field(default_factory=FaultyShape)
+
+
+@dataclass
+class FaultyModel:
+    backend: FaultyBackend = field(default_factory=FaultyBackend)
+
+
+@dataclass
+class FaultyEngine:
+    """Fails its first generation with an unexpected exception, then works."""
+
+    model: FaultyModel = field(default_factory=FaultyModel)
+    last_stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str = "length"
+    calls: int = 0
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        return [1, 2, 3]
+
+    def pieces(self, prompt: list[int], **options: object) -> Iterator[StreamPiece]:
+        self.calls += 1
+        self.last_stats = GenerationStats(new_tokens=1, target_forwards=1)
+        if self.calls == 1:
+            raise ZeroDivisionError("boom")
+        yield StreamPiece("ok", [7])
+
+
+def test_worker_survives_an_unexpected_exception() -> None:
+    worker = Worker(FaultyEngine(), Metrics(), max_queue=2)  # type: ignore[arg-type]
+    events: list[list[Event]] = [[], []]
+    request = GenerationRequest("hi", None, 1, 0.0, 1.0, None, [])
+    worker.start()
+    try:
+        for inbox in events:
+            worker.submit(Job(request, inbox.append))
+        wait_until(lambda: bool(events[1]) and isinstance(events[1][-1], Finished), timeout_s=10)
+    finally:
+        worker.stop()
+    assert isinstance(events[0][-1], Failed) and events[0][-1].status == 500
+    assert "ZeroDivisionError" in events[0][-1].message
+    assert isinstance(events[1][0], Started) and events[1][-1] == Finished("length", 3, 1)
+    assert worker.metrics.outcomes == {"failed": 1, "completed": 1}
+
+
+def test_serve_cli_flags() -> None:
+    args = build_parser().parse_args(["serve", "--port", "0", "--max-queue", "3", "--tree", "chain"])
+    assert (args.drafter, args.host, args.port, args.max_queue, args.tree) == ("lookup", "127.0.0.1", 0, 3, "chain")
+    assert args.func.__module__ == "causaldraft.serve.cli"
+
+
+@pytest.mark.slow
+def test_default_model_chat_matches_engine() -> None:
+    engine = load(model="default", dtype="float32", drafter="lookup")
+    expected = engine.generate("Name three colours.", max_new_tokens=24, chat=True)
+    app = create_app(load(model="default", dtype="float32", drafter="lookup"), model_name="default")
+    with BackgroundServer(app) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        result = client.chat.completions.create(model="default", max_tokens=24, temperature=0,
+                                                messages=[{"role": "user", "content": "Name three colours."}])  # fmt: skip
+    assert result.choices[0].message.content == expected.text

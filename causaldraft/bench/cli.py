@@ -1,0 +1,86 @@
+"""``causaldraft bench``: registered by causaldraft.cli when this module exists."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from causaldraft.bench.harness import DEFAULT_BUDGETS, BenchConfig
+from causaldraft.bench.methods import EngineOptions, parse_methods
+from causaldraft.cli import add_model_flags
+from causaldraft.config import ACCEPTANCE_RULES, TreeConfig
+from causaldraft.errors import CausalDraftError
+
+DEFAULT_OUT = "bench-out"
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    tree = TreeConfig()
+    bench = commands.add_parser("bench", help="compare methods on a Spec-Bench / MT-bench prompt file")
+    bench.add_argument("--prompts", required=True, help="jsonl with question_id, category, turns")
+    methods = "comma-separated: hf, hf-lookup, ar, llamacpp, lookup|draft|medusa|markov[:chain|static|dynamic]"
+    bench.add_argument("--methods", required=True, help=methods)
+    add_model_flags(bench)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--limit", type=int, default=None, help="first N questions (after --categories)")
+    bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--warmup", type=int, default=1, help="warm-up generations per method")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    bench.add_argument("--profile", action="store_true", help="also sweep the tree budget of tree methods")
+    bench.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), help="budgets for --profile")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
+    bench.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
+    bench.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
+    bench.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
+    bench.add_argument("--draft-model", default=None, help="local draft model path for draft methods")
+    bench.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
+    bench.add_argument("--heads", default=None, help="trained heads directory (markov/medusa)")
+    bench.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
+    bench.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
+    bench.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
+    bench.set_defaults(func=run)
+
+
+def parse_budgets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise CausalDraftError(f"--budgets must be comma-separated integers, got {text!r}") from error
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    engine = EngineOptions(depth=args.depth, width=args.width, max_nodes=args.max_nodes, acceptance=args.acceptance,
+                           draft_model=args.draft_model, draft_layers=args.draft_layers, heads=args.heads,
+                           lookup_merge=not args.no_lookup_merge, adapt=not args.no_adapt,
+                           fallback=not args.no_fallback)  # fmt: skip
+    categories = tuple(part.strip() for part in (args.categories or "").split(",") if part.strip())
+    return BenchConfig(prompts=args.prompts, methods=tuple(parse_methods(args.methods)), model=args.model,
+                       backend=args.backend, dtype=args.dtype, temperature=args.temperature,
+                       max_new_tokens=args.max_new_tokens, limit=args.limit, categories=categories,
+                       repeats=args.repeats, warmup=args.warmup, seed=args.seed, profile=args.profile,
+                       budgets=parse_budgets(args.budgets), engine=engine)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from causaldraft.bench.harness import run_bench
+    from causaldraft.bench.report import write_outputs
+
+    config = config_from_args(args)
+    bench_run = run_bench(config, progress=not args.no_progress)
+    results = write_outputs(bench_run, args.out)
+    methods = results["methods"]
+    assert isinstance(methods, dict)
+    for name, entry in methods.items():
+        if "error" in entry:
+            print(f"{name}: FAILED: {entry['error']}", file=sys.stderr)
+        else:
+            shown = {key: entry[key] for key in ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar",
+                                                 "exact_match_vs_ar")}  # fmt: skip
+            print(f"{name}: {json.dumps(shown)}")
+    print(f"wrote {args.out}/results.json, steps.jsonl, report.md and plots")
+    return 0 if len(bench_run.errors) < len(config.methods) else 1

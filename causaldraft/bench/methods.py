@@ -1,0 +1,262 @@
+"""Methods under test, all behind one adapter: ``generate(prompt_ids, settings) -> MethodOutput``.
+
+Method strings: ``hf`` (transformers generate), ``hf-lookup`` (transformers prompt-lookup decoding),
+``ar`` (causaldraft plain decoding), ``NAME[:chain|static|dynamic]`` for every causaldraft drafter,
+and ``llamacpp`` (the same GGUF through llama-cpp-python, when it is installed). Every method shares
+the one loaded target of the run (the ``hf`` methods load the same checkpoint, in the same dtype,
+into transformers, unless the target already is a transformers model).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from causaldraft.config import TREE_KINDS, TreeConfig
+from causaldraft.decode import StepStats
+from causaldraft.drafters.registry import DRAFTERS
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.hf import HFBackend
+from causaldraft.models.loading import TORCH_DTYPES, LoadedModel, default_gguf_path
+
+HF_METHODS = ("hf", "hf-lookup")
+PROMPT_LOOKUP_TOKENS = 10
+LLAMACPP_THREADS = 2
+LLAMACPP_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method string; ``name`` is kept exactly as given."""
+
+    name: str
+    kind: str  # "hf" | "hf-lookup" | "causaldraft" | "llamacpp"
+    drafter: str = "none"
+    tree: str = TreeConfig().kind
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind == "causaldraft" and self.drafter != "none"
+
+
+def parse_method(name: str) -> MethodSpec:
+    base, separator, tree = name.strip().partition(":")
+    if base in (*HF_METHODS, "llamacpp", "ar"):
+        if separator:
+            raise CausalDraftError(f"method {name!r}: {base} takes no tree kind")
+        if base == "ar":
+            return MethodSpec(name, "causaldraft", "none")
+        return MethodSpec(name, base)
+    choices = ", ".join(["hf", "hf-lookup", "ar", "llamacpp", *(d for d in DRAFTERS if d != "none")])
+    if base not in DRAFTERS or base == "none":
+        raise CausalDraftError(f"unknown method {name!r}; choose from {choices} (drafters take :chain|static|dynamic)")
+    if separator and tree not in TREE_KINDS:
+        raise CausalDraftError(f"method {name!r}: tree kind must be one of {', '.join(TREE_KINDS)}")
+    return MethodSpec(name, "causaldraft", base, tree or TreeConfig().kind)
+
+
+def parse_methods(text: str) -> list[str]:
+    """Split a comma-separated list, dropping empty entries and repeats (order kept)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise CausalDraftError("--methods needs at least one method")
+    return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    max_new_tokens: int
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class MethodOutput:
+    token_ids: tuple[int, ...]  # new tokens only; EOS included when the method stopped on it
+    wall_s: float  # prefill + decoding
+    target_forwards: int  # target passes that produced new tokens (prefill included for hf methods)
+    steps: tuple[StepStats, ...] = ()
+    depth_attempts: tuple[int, ...] = ()
+    depth_accepts: tuple[int, ...] = ()
+
+
+class Method(Protocol):
+    name: str
+
+    def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput: ...
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The causaldraft engine settings shared by every drafter method of a run."""
+
+    depth: int | None = None
+    width: int | None = None
+    max_nodes: int | None = None
+    acceptance: str = "lossless"
+    draft_model: str | None = None
+    draft_layers: int = 4
+    heads: str | None = None
+    lookup_merge: bool = True
+    adapt: bool = True
+    fallback: bool = True
+
+
+class CausalDraftMethod:
+    def __init__(self, name: str, engine: Any) -> None:  # engine: causaldraft.api.Engine
+        self.name = name
+        self.engine = engine
+
+    def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput:
+        result = self.engine.generate(
+            prompt_ids, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=settings.seed
+        )
+        stats = result.stats
+        return MethodOutput(tuple(result.token_ids), stats.wall_s, stats.target_forwards, tuple(stats.steps),
+                            tuple(stats.depth_attempts), tuple(stats.depth_accepts))  # fmt: skip
+
+
+def cut_at_eos(tokens: list[int], eos: int | None) -> tuple[int, ...]:
+    """Keep tokens through the first EOS (inclusive), as causaldraft counts them."""
+    if eos is not None and eos in tokens:
+        return tuple(tokens[: tokens.index(eos) + 1])
+    return tuple(tokens)
+
+
+class HFMethod:
+    """transformers ``generate``: plain, or prompt-lookup decoding when ``lookup_tokens`` is set."""
+
+    def __init__(self, name: str, model: Any, eos: int | None, lookup_tokens: int | None) -> None:
+        self.name = name
+        self.model = model
+        self.eos = eos
+        self.lookup_tokens = lookup_tokens
+
+    def generation_config(self, settings: RunSettings) -> Any:
+        from transformers import GenerationConfig
+
+        sampled = settings.temperature > 0
+        options: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens, "do_sample": sampled,
+                                   "eos_token_id": self.eos, "pad_token_id": self.eos}  # fmt: skip
+        if sampled:
+            options.update(temperature=settings.temperature, top_k=0, top_p=1.0)
+        if self.lookup_tokens:
+            options["prompt_lookup_num_tokens"] = self.lookup_tokens
+        return GenerationConfig(**options)
+
+    def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput:
+        config = self.generation_config(settings)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, prompt]
+        forwards = [0]
+
+        def count(*_: object) -> None:
+            forwards[0] += 1
+
+        handle = self.model.register_forward_hook(count)
+        try:
+            if settings.temperature > 0:
+                torch.manual_seed(settings.seed)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                output = self.model.generate(
+                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+                )  # [1, prompt + new]
+            wall_s = time.perf_counter() - started
+        finally:
+            handle.remove()
+        tokens = cut_at_eos(output[0, len(prompt_ids) :].tolist(), self.eos)
+        return MethodOutput(tokens, wall_s, forwards[0])
+
+
+class LlamaCppMethod:
+    """The same GGUF through llama.cpp (llama-cpp-python), fed the same prompt token ids."""
+
+    def __init__(self, name: str, gguf: Path, seed: int) -> None:
+        from llama_cpp import Llama
+
+        self.name = name
+        self.llm = Llama(model_path=str(gguf), n_threads=LLAMACPP_THREADS, n_ctx=LLAMACPP_CONTEXT, seed=seed,
+                         verbose=False)  # fmt: skip
+        self.eos = int(self.llm.token_eos())
+
+    def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput:
+        if len(prompt_ids) + settings.max_new_tokens > LLAMACPP_CONTEXT:
+            raise CausalDraftError(f"llamacpp: prompt + max_new_tokens exceed its context of {LLAMACPP_CONTEXT}")
+        self.llm.reset()  # no prompt-cache reuse between requests: every method prefills the whole prompt
+        sampler = {"temp": settings.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
+        tokens: list[int] = []
+        started = time.perf_counter()
+        for token in self.llm.generate(prompt_ids, **sampler):
+            tokens.append(int(token))
+            if token == self.eos or len(tokens) >= settings.max_new_tokens:
+                break
+        wall_s = time.perf_counter() - started
+        return MethodOutput(tuple(tokens), wall_s, len(tokens))
+
+
+@dataclass
+class MethodFactory:
+    """Builds methods on one loaded target; the transformers model is loaded once for hf methods."""
+
+    loaded: LoadedModel
+    model: str
+    dtype: str
+    options: EngineOptions
+    seed: int = 0
+    hf_model: Any = field(default=None, repr=False)
+
+    def build(self, spec: MethodSpec, max_nodes: int | None = None) -> Method:
+        if spec.kind in HF_METHODS:
+            lookup = PROMPT_LOOKUP_TOKENS if spec.kind == "hf-lookup" else None
+            return HFMethod(spec.name, self.transformers_model(), self.eos(), lookup)
+        if spec.kind == "llamacpp":
+            return self.llamacpp(spec)
+        return self.causaldraft(spec, max_nodes)
+
+    def eos(self) -> int | None:
+        eos = self.loaded.tokenizer.eos_token_id
+        return int(eos) if eos is not None else None
+
+    def transformers_model(self) -> Any:
+        if self.hf_model is None:
+            if isinstance(self.loaded.backend, HFBackend):
+                self.hf_model = self.loaded.backend.model
+            elif self.dtype not in TORCH_DTYPES:
+                raise CausalDraftError(f"the hf baselines run float32 or bfloat16 weights, not {self.dtype}")
+            else:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_pretrained(str(self.loaded.model_dir), dtype=TORCH_DTYPES[self.dtype])
+                self.hf_model = model.eval().requires_grad_(False)
+        return self.hf_model
+
+    def llamacpp(self, spec: MethodSpec) -> Method:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as error:
+            message = "llamacpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
+            raise CausalDraftError(message) from error
+        if self.model == "default":
+            gguf = default_gguf_path()
+        elif self.model.endswith(".gguf"):
+            gguf = Path(self.model)
+        else:
+            raise CausalDraftError("llamacpp needs --model default or a .gguf file")
+        return LlamaCppMethod(spec.name, gguf, self.seed)
+
+    def causaldraft(self, spec: MethodSpec, max_nodes: int | None) -> Method:
+        from causaldraft.api import load
+
+        options = self.options
+        engine = load(
+            model=self.model, dtype=self.dtype, drafter=spec.drafter, tree=spec.tree, depth=options.depth,
+            width=options.width, max_nodes=max_nodes or options.max_nodes, acceptance=options.acceptance,
+            adapt=options.adapt, fallback=options.fallback, draft_model=options.draft_model,
+            draft_layers=options.draft_layers, heads=options.heads, lookup_merge=options.lookup_merge,
+            loaded=self.loaded,
+        )  # fmt: skip
+        return CausalDraftMethod(spec.name, engine)

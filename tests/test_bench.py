@@ -1,0 +1,193 @@
+"""The bench harness end to end on the tiny model, plus its parsers and multi-turn feeding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from causaldraft.bench.harness import BenchConfig, BenchRun, answer_turns, run_bench
+from causaldraft.bench.methods import EngineOptions, MethodOutput, RunSettings, cut_at_eos, parse_method, parse_methods
+from causaldraft.bench.prompts import Question, read_questions
+from causaldraft.bench.report import write_outputs
+from causaldraft.cli import main
+from causaldraft.errors import CausalDraftError
+
+METHODS = ("ar", "lookup", "lookup:chain", "draft:static", "hf", "markov", "no-such-method")
+LOSSLESS = ("ar", "lookup", "lookup:chain", "draft:static")
+METRIC_KEYS = {"tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar", "exact_match_vs_ar"}
+STEP_KEYS = {"method", "question", "turn", "accepted", "nodes", "draft_s", "verify_s"}
+
+
+def write_prompts(path: Path) -> Path:
+    questions = [
+        {"question_id": 81, "category": "writing",
+         "turns": ["Write a poem about the sea, the sea and the sea.", "Now make it shorter."]},
+        {"question_id": 111, "category": "math", "turns": ["What is 2+2? Then 2+2 is 4 and 2+2 is"]},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(question) + "\n" for question in questions))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, BenchRun]:
+    directory = tmp_path_factory.mktemp("bench")
+    prompts = write_prompts(directory / "questions.jsonl")
+    # fixed trees, no fallback: every step of a drafter method verifies a real draft
+    engine = EngineOptions(draft_layers=2, adapt=False, fallback=False)
+    config = BenchConfig(prompts=str(prompts), methods=METHODS, model=str(tiny_llama_dir), dtype="float32",
+                         max_new_tokens=20, engine=engine)  # fmt: skip
+    run = run_bench(config, progress=False)
+    out = directory / "out"
+    results = write_outputs(run, out)
+    return out, results, run
+
+
+def test_results_schema(bench: tuple[Path, dict, BenchRun]) -> None:
+    out, results, _ = bench
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk == json.loads(json.dumps(results))
+    assert on_disk["config"]["dtype"] == "float32" and on_disk["config"]["questions"] == 2
+    assert "causaldraft bench --prompts" in on_disk["config"]["command"]
+    assert list(on_disk["methods"]) == list(METHODS)
+    for name in ("ar", "lookup", "lookup:chain", "draft:static", "hf"):
+        entry = on_disk["methods"][name]
+        assert METRIC_KEYS <= set(entry), name
+        assert set(entry["by_category"]) == {"writing", "math"}
+        for per_category in entry["by_category"].values():
+            assert METRIC_KEYS <= set(per_category)
+        assert entry["turns"] == 3  # two turns of question 81, one of 111
+        assert entry["tokens_per_s"] == pytest.approx(entry["new_tokens"] / entry["wall_s"], rel=1e-3)
+        assert entry["speedup_vs_ar"] == pytest.approx(
+            entry["tokens_per_s"] / on_disk["methods"]["ar"]["tokens_per_s"], rel=1e-3
+        )
+
+
+def test_lossless_methods_match_ar_exactly(bench: tuple[Path, dict, BenchRun]) -> None:
+    _, results, run = bench
+    for name in LOSSLESS:
+        assert results["methods"][name]["exact_match_vs_ar"] == 1.0, name
+        for per_category in results["methods"][name]["by_category"].values():
+            assert per_category["exact_match_vs_ar"] == 1.0
+    # the transformers baseline runs the same fp32 weights on the same prompt ids
+    assert results["methods"]["hf"]["exact_match_vs_ar"] == 1.0
+    assert results["methods"]["ar"]["mean_accepted"] == 1.0
+    assert results["methods"]["hf"]["mean_accepted"] == 1.0
+    for name in ("lookup", "lookup:chain", "draft:static"):  # drafts were verified, so the match means something
+        assert sum(results["methods"][name]["accepted_histogram"].values()) > 0, name
+        assert len(results["methods"][name]["acceptance_by_depth"]) >= 2, name
+    assert results["methods"]["lookup"]["mean_accepted"] > 1.0
+    outputs = {(r.method, r.question_id, r.turn): r.output.token_ids for r in run.records}
+    assert outputs[("ar", "81", 1)] == outputs[("lookup", "81", 1)]
+    assert len(outputs[("ar", "81", 0)]) > 0
+
+
+def test_failures_are_reported_without_losing_others(bench: tuple[Path, dict, BenchRun]) -> None:
+    out, results, _ = bench
+    assert set(results["methods"]["markov"]) == {"error"}  # no trained heads for the tiny model
+    assert "unknown method 'no-such-method'" in results["methods"]["no-such-method"]["error"]
+    assert all("error" not in results["methods"][name] for name in (*LOSSLESS, "hf"))
+    report = (out / "report.md").read_text()
+    assert "Failed or skipped methods" in report and "`markov`" in report
+
+
+def test_steps_jsonl(bench: tuple[Path, dict, BenchRun]) -> None:
+    out, results, _ = bench
+    lines = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert all(STEP_KEYS <= set(line) for line in lines)
+    for name in LOSSLESS:
+        steps = [line for line in lines if line["method"] == name]
+        assert len(steps) == results["methods"][name]["target_forwards"]
+        assert sum(line["accepted"] + 1 for line in steps) >= results["methods"][name]["new_tokens"]
+    assert {line["question"] for line in lines} == {"81", "111"}
+    assert not [line for line in lines if line["method"] == "hf"]
+
+
+def test_report_and_plots_exist(bench: tuple[Path, dict, BenchRun]) -> None:
+    out, _, _ = bench
+    report = (out / "report.md").read_text()
+    for name in (*LOSSLESS, "hf"):
+        assert f"| {name} |" in report
+    assert "## lookup by category" in report and "| writing |" in report
+    assert "torch" in report and "cpu_count" in report
+    for plot in ("speedup_by_category.png", "accepted_lengths.png", "acceptance_by_depth.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+        assert f"]({plot})" in report
+
+
+def test_cli_sampling_and_profile(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "questions.jsonl")
+    out = tmp_path / "out"
+    code = main(["bench", "--prompts", str(prompts), "--methods", "ar,lookup,hf-lookup", "--model",
+                 str(tiny_llama_dir), "--dtype", "float32", "--temperature", "0.8", "--max-new-tokens", "8",
+                 "--categories", "math", "--profile", "--budgets", "4,8", "--no-progress",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["categories"] == ["math"] and results["config"]["questions"] == 1
+    for entry in results["methods"].values():
+        assert entry["exact_match_vs_ar"] is None  # only defined at temperature 0
+        assert set(entry["by_category"]) == {"math"}
+    assert set(results["profile"]) == {"lookup"}
+    assert set(results["profile"]["lookup"]) == {"4", "8"}
+    assert (out / "tokens_per_s_by_budget.png").is_file()
+    assert "Tokens/s by tree budget" in (out / "report.md").read_text()
+
+
+def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--prompts", str(tmp_path / "missing.jsonl"), "--methods", "ar"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    prompts = write_prompts(tmp_path / "questions.jsonl")
+    assert main(["bench", "--prompts", str(prompts), "--methods", "ar", "--repeats", "0"]) == 2
+
+
+def test_multi_turn_feeds_the_methods_own_answer(tiny_llama_dir: Path) -> None:
+    from causaldraft.api import load
+
+    encoder = load(str(tiny_llama_dir), "float32", drafter="none", calibrate=False)
+    prompts: list[list[int]] = []
+
+    class Recorder:
+        name = "recorder"
+
+        def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput:
+            prompts.append(prompt_ids)
+            answer = encoder.tokenizer.encode(f"answer {len(prompts)}", add_special_tokens=False)
+            return MethodOutput(tuple(answer), 0.1, len(answer))
+
+    question = Question("1", "writing", ("first question", "second question"))
+    outputs = answer_turns(Recorder(), encoder, encoder.tokenizer, question, RunSettings(8, 0.0, 0))
+    assert len(outputs) == 2
+    expected = encoder.encode_chat([{"role": "user", "content": "first question"},
+                                    {"role": "assistant", "content": "answer 1"},
+                                    {"role": "user", "content": "second question"}])  # fmt: skip
+    assert prompts[0] == encoder.encode_chat([{"role": "user", "content": "first question"}])
+    assert prompts[1] == expected
+
+
+def test_parse_method() -> None:
+    assert parse_method("ar").drafter == "none" and not parse_method("ar").speculative
+    spec = parse_method("draft:chain")
+    assert (spec.name, spec.kind, spec.drafter, spec.tree) == ("draft:chain", "causaldraft", "draft", "chain")
+    assert parse_method("markov:dynamic").tree == "dynamic" and parse_method("lookup").tree == "dynamic"
+    assert parse_method("hf-lookup").kind == "hf-lookup"
+    for bad in ("hf:chain", "lookup:wide", "none", "nope"):
+        with pytest.raises(CausalDraftError):
+            parse_method(bad)
+    assert parse_methods("ar, lookup,,ar") == ["ar", "lookup"]
+    assert cut_at_eos([5, 2, 7], 2) == (5, 2) and cut_at_eos([5, 7], 2) == (5, 7)
+
+
+def test_read_questions(tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "questions.jsonl")
+    assert [q.question_id for q in read_questions(prompts)] == ["81", "111"]
+    assert [q.question_id for q in read_questions(prompts, limit=1)] == ["81"]
+    assert [q.category for q in read_questions(prompts, categories=["math"])] == ["math"]
+    assert read_questions(prompts)[0].turns[1] == "Now make it shorter."
+    with pytest.raises(CausalDraftError, match="unknown categories"):
+        read_questions(prompts, categories=["poetry"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": []}\n')
+    with pytest.raises(CausalDraftError, match="bad.jsonl:1"):
+        read_questions(bad)

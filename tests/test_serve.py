@@ -118,44 +118,50 @@ def test_stream_ends_with_done(server: BackgroundServer) -> None:
     assert events[-1] == "data: [DONE]"
 
 
-COMPLETION = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-MALFORMED = [
+def completion(**changes: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, **changes}
+
+
+def chat(**changes: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **changes}
+
+
+MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", b"{not json", None),
     ("completions", b"[1, 2]", None),
     ("completions", b"", None),
-    ("completions", {**COMPLETION, "prompt": None}, "prompt"),
+    ("completions", completion(prompt=None), "prompt"),
     ("completions", {"model": MODEL, "max_tokens": 4}, "prompt"),
-    ("completions", {**COMPLETION, "prompt": ""}, "prompt"),
-    ("completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt"),
-    ("completions", {**COMPLETION, "prompt": [999999]}, "prompt"),
-    ("completions", {**COMPLETION, "prompt": "x" * 600}, "prompt"),
-    ("completions", {**COMPLETION, "prompt": "x" * 600, "stream": True}, "prompt"),
-    ("completions", {**COMPLETION, "prompt": "x" * 300, "max_tokens": 300}, "max_tokens"),
-    ("completions", {**COMPLETION, "max_tokens": "ten"}, "max_tokens"),
-    ("completions", {**COMPLETION, "max_tokens": 2.5}, "max_tokens"),
-    ("completions", {**COMPLETION, "max_tokens": True}, "max_tokens"),
-    ("completions", {**COMPLETION, "max_tokens": -1}, "max_tokens"),
-    ("completions", {**COMPLETION, "max_tokens": 0}, "max_tokens"),
-    ("completions", {**COMPLETION, "max_tokens": 10**12}, "max_tokens"),
-    ("completions", {**COMPLETION, "temperature": -0.5}, "temperature"),
-    ("completions", {**COMPLETION, "temperature": 7}, "temperature"),
-    ("completions", {**COMPLETION, "temperature": "hot"}, "temperature"),
-    ("completions", {**COMPLETION, "top_p": 0}, "top_p"),
-    ("completions", {**COMPLETION, "top_p": 1.5}, "top_p"),
-    ("completions", {**COMPLETION, "seed": "seven"}, "seed"),
-    ("completions", {**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("completions", {**COMPLETION, "stream": "yes"}, "stream"),
-    ("completions", {**COMPLETION, "n": 2}, "n"),
-    ("completions", {**COMPLETION, "model": "gpt-4"}, "model"),
-    ("chat/completions", {**CHAT, "messages": []}, "messages"),
-    ("chat/completions", {**CHAT, "messages": "hi"}, "messages"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
-    ("chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 600}]}, "prompt"),
-    ("chat/completions", {**CHAT, "max_tokens": -3}, "max_tokens"),
-    ("chat/completions", {**CHAT, "n": 3}, "n"),
-    ("chat/completions", {**CHAT, "model": "other"}, "model"),
+    ("completions", completion(prompt=""), "prompt"),
+    ("completions", completion(prompt=["a", "b"]), "prompt"),
+    ("completions", completion(prompt=[999999]), "prompt"),
+    ("completions", completion(prompt="x" * 600), "prompt"),
+    ("completions", completion(prompt="x" * 600, stream=True), "prompt"),
+    ("completions", completion(prompt="x" * 300, max_tokens=300), "max_tokens"),
+    ("completions", completion(max_tokens="ten"), "max_tokens"),
+    ("completions", completion(max_tokens=2.5), "max_tokens"),
+    ("completions", completion(max_tokens=True), "max_tokens"),
+    ("completions", completion(max_tokens=-1), "max_tokens"),
+    ("completions", completion(max_tokens=0), "max_tokens"),
+    ("completions", completion(max_tokens=10**12), "max_tokens"),
+    ("completions", completion(temperature=-0.5), "temperature"),
+    ("completions", completion(temperature=7), "temperature"),
+    ("completions", completion(temperature="hot"), "temperature"),
+    ("completions", completion(top_p=0), "top_p"),
+    ("completions", completion(top_p=1.5), "top_p"),
+    ("completions", completion(seed="seven"), "seed"),
+    ("completions", completion(stop=["a", "b", "c", "d", "e"]), "stop"),
+    ("completions", completion(stream="yes"), "stream"),
+    ("completions", completion(n=2), "n"),
+    ("completions", completion(model="gpt-4"), "model"),
+    ("chat/completions", chat(messages=[]), "messages"),
+    ("chat/completions", chat(messages="hi"), "messages"),
+    ("chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": "x" * 600}]), "messages"),
+    ("chat/completions", chat(max_tokens=-3), "max_tokens"),
+    ("chat/completions", chat(n=3), "n"),
+    ("chat/completions", chat(model="other"), "model"),
 ]
 
 
@@ -315,6 +321,6 @@ def test_default_model_chat_matches_engine() -> None:
     app = create_app(load(model="default", dtype="float32", drafter="lookup"), model_name="default")
     with BackgroundServer(app) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=300)
-        result = client.chat.completions.create(model="default", max_tokens=24, temperature=0,
-                                                messages=[{"role": "user", "content": "Name three colours."}])  # fmt: skip
+        messages: Any = [{"role": "user", "content": "Name three colours."}]
+        result = client.chat.completions.create(model="default", messages=messages, max_tokens=24, temperature=0)
     assert result.choices[0].message.content == expected.text

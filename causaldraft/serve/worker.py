@@ -141,7 +141,10 @@ class Worker:
             outcome = self.generate(job)
         except CausalDraftError as error:
             outcome = "rejected"
-            self.deliver(job, Failed(400, str(error), param_of(str(error))))
+            param = param_of(str(error))
+            if param == "prompt" and job.request.messages is not None:
+                param = "messages"
+            self.deliver(job, Failed(400, str(error), param))
         except Exception as error:  # the worker must survive any fault of one request
             log.exception("generation failed")
             outcome = "failed"

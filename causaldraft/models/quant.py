@@ -1,0 +1,363 @@
+"""Weight-only int8 and int4 linears for the native backend (CPU kernels of torch), with a cache.
+
+int8: symmetric per output channel, ``w = q * scale`` with q in [-127, 127]; matmul by
+``torch.ops.aten._weight_int8pack_mm(x, q, scales)``.
+
+int4: asymmetric in groups of 32 along the input dimension, in the kernel's convention
+``w = (q - 8) * scale + zero`` with q in [0, 15] (found by experiment on torch 2.13: the kernel
+takes ``scales_and_zeros`` as [in / group, out, 2] with [..., 0] = scale and [..., 1] = zero).
+A min/max quantization ``w ≈ q * step + low`` is therefore stored as scale = step and
+zero = low + 8 * step; a GGUF Q4_1 block (``w = q * d + m``) maps exactly to scale = d and
+zero = m + 8 * d (see ``gguf_q4``). Worked example, one group of 32 weights spanning
+[-0.3, 0.45]: step = 0.75 / 15 = 0.05, q = round((w + 0.3) / 0.05), zero = -0.3 + 8 * 0.05 = 0.1,
+and w = 0.2 gives q = 10, dequantized (10 - 8) * 0.05 + 0.1 = 0.2.
+
+Activations are bfloat16; token embeddings and norms stay bfloat16; the LM head is int8.
+A layer the int4 kernel cannot take (in_features not a multiple of 32, out_features not a
+multiple of 16) falls back to int8 with a message.
+
+Quantized weights are cached in an architecture-independent form (int4 values two per byte,
+fp32 scales and zeros) as ``quant-int8.safetensors`` / ``quant-int4.safetensors`` beside the
+checkpoint, or under ``$CAUSALDRAFT_HOME/quant/`` when the checkpoint directory is read-only; the
+kernel's own packing (which depends on the CPU) is redone at every load, which is fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import causaldraft_home
+from causaldraft.models.native import NativeLlama
+
+GROUP_SIZE = 32
+INT4_OUT_MULTIPLE = 16  # the int4 packing kernel needs out_features % 16 == 0
+INT8_IN_MULTIPLE = 16  # the int8 kernel crashes unless in_features % 16 == 0 (torch 2.13, CPU)
+CACHE_FORMAT = "causaldraft-quant-1"
+QUANT_DTYPES = ("int8", "int4")
+ACTIVATION_DTYPE = torch.bfloat16
+
+
+def notify(message: str) -> None:
+    print(f"causaldraft: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- quantize / dequantize (pure)
+
+
+@dataclass(frozen=True)
+class Int8Weights:
+    values: torch.Tensor  # [out, in] int8 in [-127, 127]
+    scales: torch.Tensor  # [out] float32
+
+
+@dataclass(frozen=True)
+class Int4Weights:
+    values: torch.Tensor  # [out, in] uint8 in [0, 15]
+    scales: torch.Tensor  # [out, in / group] float32
+    zeros: torch.Tensor  # [out, in / group] float32: w = (q - 8) * scale + zero
+
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[1] // self.scales.shape[1]
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weights:
+    """Symmetric per-output-channel int8 of ``weight`` [out, in]."""
+    if weight.shape[1] % INT8_IN_MULTIPLE:
+        raise CausalDraftError(
+            f"int8 needs in_features % {INT8_IN_MULTIPLE} == 0 (a kernel limit), got {weight.shape[1]}; "
+            "use --dtype bfloat16 for this model"
+        )
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
+    values = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Weights(values, scales)
+
+
+def dequantize_int8(weights: Int8Weights) -> torch.Tensor:
+    return weights.values.float() * weights.scales[:, None]  # [out, in]
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weights:
+    """Asymmetric min/max int4 of ``weight`` [out, in] in groups of ``group_size`` inputs."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise CausalDraftError(f"int4 needs in_features a multiple of {group_size}, got {in_features}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low = groups.amin(dim=-1)  # [out, groups]
+    step = ((groups.amax(dim=-1) - low) / 15.0).clamp(min=1e-12)  # [out, groups]
+    values = ((groups - low[..., None]) / step[..., None]).round().clamp(0, 15)
+    return Int4Weights(values.reshape(out_features, in_features).to(torch.uint8), step, low + 8.0 * step)
+
+
+def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
+    group = weights.group_size
+    scales = weights.scales.repeat_interleave(group, dim=1)  # [out, in]
+    zeros = weights.zeros.repeat_interleave(group, dim=1)  # [out, in]
+    return (weights.values.float() - 8.0) * scales + zeros
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """[out, in] uint8 in [0, 15] -> [out, in / 2] uint8: low nibble = even column, high = odd.
+
+    Example: row [1, 2, 15, 0] -> [0x21, 0x0F].
+    """
+    return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_nibbles``: [out, in / 2] -> [out, in]."""
+    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)  # [out, in / 2, 2]
+    return pairs.reshape(packed.shape[0], -1)
+
+
+def int4_supported(out_features: int, in_features: int, group_size: int = GROUP_SIZE) -> bool:
+    return in_features % group_size == 0 and out_features % INT4_OUT_MULTIPLE == 0
+
+
+# ---------------------------------------------------------------- modules
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale).T + bias`` with bfloat16 activations."""
+
+    qweight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] bfloat16
+    bias: torch.Tensor | None  # [out] bfloat16
+
+    def __init__(self, weights: Int8Weights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weights.values.shape
+        # a fresh (aligned) copy: the kernel crashes on tensors read unaligned from safetensors
+        self.register_buffer("qweight", weights.values.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", weights.scales.to(ACTIVATION_DTYPE))  # [out]
+        self.register_buffer("bias", None if bias is None else bias.to(ACTIVATION_DTYPE))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] in bfloat16 (materialised on every call)."""
+        return (self.qweight.float() * self.scales.float()[:, None]).to(ACTIVATION_DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)  # [m, in]
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [m, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ ((q - 8) * scale + zero).T + bias`` in groups of 32 inputs, bf16 activations."""
+
+    packed: torch.Tensor  # [out, in / 2] uint8 in the kernel's CPU layout
+    scales_and_zeros: torch.Tensor  # [in / group, out, 2] bfloat16
+    bias: torch.Tensor | None  # [out] bfloat16
+
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weights.values.shape
+        self.group_size = weights.group_size
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.values.to(torch.int32), 1)
+        scales_and_zeros = torch.stack((weights.scales.t(), weights.zeros.t()), dim=-1)  # [groups, out, 2]
+        self.register_buffer("packed", packed)  # [out, in / 2] uint8, the kernel's CPU layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(ACTIVATION_DTYPE).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(ACTIVATION_DTYPE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)  # [m, in]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, self.group_size, self.scales_and_zeros
+        )  # [m, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] as the kernel sees it (multiplying the identity), float32."""
+        identity = torch.eye(self.in_features, dtype=ACTIVATION_DTYPE)
+        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            identity, self.packed, self.group_size, self.scales_and_zeros
+        )  # [in, out]
+        return columns.t().float()
+
+
+QuantWeights = Int8Weights | Int4Weights
+
+
+def make_linear(weights: QuantWeights, bias: torch.Tensor | None) -> nn.Module:
+    if isinstance(weights, Int4Weights):
+        return Int4Linear(weights, bias)
+    return Int8Linear(weights, bias)
+
+
+# ---------------------------------------------------------------- quantizing a model
+
+
+def linear_names(model: NativeLlama) -> Iterator[str]:
+    """Names of the layers' linears and the LM head, e.g. ``layers.0.self_attn.q_proj``."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            yield name
+
+
+def quantize_weights(name: str, weight: torch.Tensor, dtype: str, fallbacks: list[str]) -> QuantWeights:
+    """The LM head is always int8; int4 layers the kernel cannot take fall back to int8."""
+    out_features, in_features = weight.shape
+    if dtype == "int8" or name == "lm_head":
+        return quantize_int8(weight)
+    if not int4_supported(out_features, in_features):
+        fallbacks.append(f"{name} [{out_features}x{in_features}]")
+        return quantize_int8(weight)
+    return quantize_int4(weight)
+
+
+def quantize_model_weights(
+    model: NativeLlama, dtype: str, provided: dict[str, Int4Weights] | None = None
+) -> dict[str, QuantWeights]:
+    """Quantize every linear of an fp32 model; ``provided`` int4 weights (from GGUF) are used as is."""
+    provided = provided or {}
+    fallbacks: list[str] = []
+    result: dict[str, QuantWeights] = {}
+    for name in linear_names(model):
+        if dtype == "int4" and name in provided:
+            result[name] = provided[name]
+            continue
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        result[name] = quantize_weights(name, linear.weight.data, dtype, fallbacks)
+    if fallbacks:
+        notify(
+            f"int4 needs in_features % {GROUP_SIZE} == 0 and out_features % {INT4_OUT_MULTIPLE} == 0; "
+            f"{len(fallbacks)} layer(s) use int8 instead: {', '.join(fallbacks[:4])}"
+            + (" ..." if len(fallbacks) > 4 else "")
+        )
+    return result
+
+
+def install_quantized(model: NativeLlama, weights: dict[str, QuantWeights]) -> NativeLlama:
+    """Replace each nn.Linear of our own model by its quantized module (same name and bias)."""
+    for name, quantized in weights.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        bias = linear.bias.data if isinstance(linear, nn.Linear) and linear.bias is not None else None
+        setattr(parent, child, make_linear(quantized, bias))
+    return model
+
+
+# ---------------------------------------------------------------- cache
+
+
+def source_key(model_dir: Path, dtype: str, gguf_path: Path | None) -> str:
+    """Invalidates the cache when the weights, the GGUF source or the format change."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{dtype}:{GROUP_SIZE}".encode())
+    sources = sorted(model_dir.glob("*.safetensors"))
+    sources = [path for path in sources if not path.name.startswith("quant-")]
+    if gguf_path is not None:
+        sources.append(gguf_path)
+    for path in sources:
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_path(model_dir: Path, dtype: str) -> Path:
+    beside = model_dir / f"quant-{dtype}.safetensors"
+    if os.access(model_dir, os.W_OK):
+        return beside
+    key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
+    return causaldraft_home() / "quant" / f"{model_dir.name}-{key}" / beside.name
+
+
+def save_cache(path: Path, weights: dict[str, QuantWeights], key: str) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, quantized in weights.items():
+        if isinstance(quantized, Int4Weights):
+            tensors[f"{name}.nibbles"] = pack_nibbles(quantized.values).contiguous()
+            tensors[f"{name}.scales"] = quantized.scales.float().contiguous()
+            tensors[f"{name}.zeros"] = quantized.zeros.float().contiguous()
+        else:
+            tensors[f"{name}.int8"] = quantized.values.contiguous()
+            tensors[f"{name}.scales"] = quantized.scales.float().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(partial), metadata={"format": CACHE_FORMAT, "key": key})
+    partial.replace(path)
+
+
+def load_cache(path: Path, key: str) -> dict[str, QuantWeights] | None:
+    """The cached weights, or None when absent, stale or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != CACHE_FORMAT or metadata.get("key") != key:
+                return None
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception:  # safetensors raises several types for corrupt files; we rebuild
+        return None
+    weights: dict[str, QuantWeights] = {}
+    for tensor_name, tensor in tensors.items():
+        name, _, kind = tensor_name.rpartition(".")
+        if kind == "nibbles":
+            weights[name] = Int4Weights(unpack_nibbles(tensor), tensors[f"{name}.scales"], tensors[f"{name}.zeros"])
+        elif kind == "int8":
+            weights[name] = Int8Weights(tensor, tensors[f"{name}.scales"])
+    return weights
+
+
+# ---------------------------------------------------------------- loading
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted checkpoint came from (causaldraft_source.json), if it still exists."""
+    source = model_dir / "causaldraft_source.json"
+    if not source.is_file():
+        return None
+    path = Path(json.loads(source.read_text()).get("gguf", ""))
+    return path if path.is_file() else None
+
+
+def load_quantized(model_dir: Path, dtype: str) -> NativeLlama:
+    """A NativeLlama in bfloat16 whose linears are int8 or int4 (cached beside the checkpoint).
+
+    For int4, layers stored as Q4_1 in the GGUF file the checkpoint was converted from are taken
+    from the GGUF blocks as they are; other layers are quantized from the checkpoint's weights.
+    """
+    if dtype not in QUANT_DTYPES:
+        raise CausalDraftError(f"quantized dtype must be int8 or int4, got {dtype!r}")
+    gguf_path = gguf_source(model_dir) if dtype == "int4" else None
+    key = source_key(model_dir, dtype, gguf_path)
+    path = cache_path(model_dir, dtype)
+    weights = load_cache(path, key)
+    if weights is None:
+        full = NativeLlama.from_pretrained(model_dir, torch.float32)
+        provided: dict[str, Int4Weights] = {}
+        if gguf_path is not None:
+            from causaldraft.models.gguf_q4 import read_q4_1_weights
+
+            provided = read_q4_1_weights(gguf_path, full.llama_shape, set(linear_names(full)))
+        weights = quantize_model_weights(full, dtype, provided)
+        del full
+        try:
+            save_cache(path, weights, key)
+        except OSError as error:
+            notify(f"cannot cache quantized weights at {path}: {error}")
+    model = NativeLlama.from_pretrained(model_dir, ACTIVATION_DTYPE)
+    missing = set(linear_names(model)) - set(weights)
+    if missing:
+        raise CausalDraftError(f"quantized cache {path} lacks {sorted(missing)[:3]}")
+    return install_quantized(model, weights)

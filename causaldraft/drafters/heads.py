@@ -1,0 +1,293 @@
+"""Draft heads on the target's last hidden state: ``markov`` (token-conditioned, recurrent) and
+``medusa`` (hidden state only), with a reduced draft vocabulary scored by the target's LM-head rows.
+
+Notation: the verify pass gave h_t, the target's final hidden state that predicted the root
+x_{t+1}. Head k drafts x_{t+1+k}.
+
+- markov (an MLPSpeculator-like recurrence): s_0 = h_t and
+  s_k = GELU(LN_k(W_s,k s_{k-1} + W_e,k rms(E[x_{t+k}]))), where E is the target's frozen token
+  embedding and x_{t+k} the token on the node's own path (x_{t+1} = the root for head 1). So every
+  child in the tree is conditioned on its ancestors.
+- medusa: s_k = h_t + SiLU(W_k h_t), the same for every node of one depth.
+
+Logits of head k: out(LNo_k(s_k)) over V' draft ids, where ``out`` holds the target's LM-head rows of
+those ids (frozen, read from the target at load time; only the id list is saved).
+
+Worked example (K = 2, root "the", tree the -> {cat, dog}, cat -> {sat}): state(root) = s_1 from
+(h_t, E["the"]); head 1 on it ranks "cat", "dog". state("cat") = s_2 from (state(root), E["cat"]);
+head 2 on it ranks "sat". A node at depth K gets no children.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from causaldraft.drafters.base import Draft, DraftContext, StepResult
+from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import Backend
+from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
+
+HEAD_KINDS = ("markov", "medusa")
+CONFIG_FILE = "heads_config.json"
+WEIGHTS_FILE = "heads.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    kind: str
+    num_heads: int
+    hidden_size: int
+    vocab_size: int  # the target's full vocabulary
+    draft_vocab: int  # V'
+    fingerprint: str  # LoadedModel.fingerprint of the base model
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise CausalDraftError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
+        if self.num_heads < 1 or self.hidden_size < 1 or not 1 <= self.draft_vocab <= self.vocab_size:
+            raise CausalDraftError(f"invalid heads sizes: {self}")
+
+
+def rms_normalise(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class DraftHeads(nn.Module):
+    """The trainable part of both kinds, plus the frozen output rows and draft-vocabulary ids."""
+
+    vocab_ids: torch.Tensor  # [V'] full-vocabulary id of each draft id
+    out_weight: torch.Tensor  # [V', hidden] the target's LM-head rows of those ids
+    state_proj: nn.ModuleList
+    embed_proj: nn.ModuleList
+    norms: nn.ModuleList
+    blocks: nn.ModuleList
+
+    def __init__(self, config: HeadsConfig, vocab_ids: torch.Tensor, out_weight: torch.Tensor) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_heads
+        self.config = config
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)  # [V']
+        self.register_buffer("out_weight", out_weight.detach().clone(), persistent=False)  # [V', hidden]
+        self.out_norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(heads))
+        markov = heads if config.kind == "markov" else 0
+        medusa = heads if config.kind == "medusa" else 0
+        self.state_proj = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(markov))
+        self.embed_proj = nn.ModuleList(nn.Linear(hidden, hidden, bias=False) for _ in range(markov))
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(markov))
+        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(medusa))
+        for block in self.blocks:
+            assert isinstance(block, nn.Linear)
+            nn.init.zeros_(block.weight)  # Medusa's ResBlock starts as the identity
+
+    def step(self, head: int, state: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """markov: s_{head+1} from s_head [m, hidden] and the path tokens' embeddings [m, hidden]."""
+        mixed = self.state_proj[head](state) + self.embed_proj[head](rms_normalise(token_embeds))  # [m, hidden]
+        return nn.functional.gelu(self.norms[head](mixed))
+
+    def medusa_state(self, head: int, hidden: torch.Tensor) -> torch.Tensor:
+        """medusa: head ``head``'s state from h_t [m, hidden]."""
+        return hidden + nn.functional.silu(self.blocks[head](hidden))
+
+    def logits(self, head: int, state: torch.Tensor) -> torch.Tensor:
+        """[m, hidden] -> [m, V'] draft-vocabulary logits."""
+        return self.out_norms[head](state) @ self.out_weight.t()
+
+
+def new_heads(config: HeadsConfig, vocab_ids: torch.Tensor, lm_head: torch.Tensor, seed: int = 0) -> DraftHeads:
+    """Freshly initialised heads; ``lm_head`` [vocab, hidden] is the target's output matrix."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return DraftHeads(config, vocab_ids, lm_head.detach().float().index_select(0, vocab_ids.long()))
+
+
+def save_heads(heads: DraftHeads, directory: Path, extra: dict[str, object] | None = None) -> None:
+    """heads.safetensors (bf16 weights + vocab ids) and heads_config.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: value.detach().to(torch.bfloat16).contiguous() for name, value in heads.state_dict().items()}
+    tensors["vocab_ids"] = heads.vocab_ids.to(torch.int32).contiguous()
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    record: dict[str, object] = {"format": FORMAT_VERSION, **heads.config.__dict__, **(extra or {})}
+    (directory / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_config(directory: Path) -> tuple[HeadsConfig, dict[str, object]]:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CausalDraftError(f"no trained heads in {directory}: {CONFIG_FILE} is missing")
+    try:
+        record = json.loads(path.read_text())
+        fields = {name: record[name] for name in HeadsConfig.__dataclass_fields__}
+        if record.get("format") != FORMAT_VERSION:
+            raise CausalDraftError(f"{path}: unsupported heads format {record.get('format')!r}")
+        return HeadsConfig(**fields), record
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise CausalDraftError(f"corrupt heads config {path}: {error}") from error
+
+
+def load_heads(directory: Path, backend: Backend, fingerprint: str, kind: str | None = None) -> DraftHeads:
+    """Load trained heads for ``backend``; fail clearly on a kind or base-model mismatch."""
+    config, _ = read_config(directory)
+    if kind is not None and config.kind != kind:
+        raise CausalDraftError(f"{directory} holds {config.kind} heads, not {kind} heads")
+    if config.fingerprint != fingerprint or config.hidden_size != backend.shape.hidden_size:
+        raise CausalDraftError(
+            f"heads in {directory} were trained for another base model (fingerprint {config.fingerprint}, "
+            f"this model {fingerprint}); train heads for it with causaldraft train-heads"
+        )
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise CausalDraftError(f"no trained heads in {directory}: {WEIGHTS_FILE} is missing")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CausalDraftError(f"corrupt heads weights {path}: {error}") from error
+    vocab_ids = tensors.pop("vocab_ids", None)
+    if vocab_ids is None or vocab_ids.numel() != config.draft_vocab:
+        raise CausalDraftError(f"corrupt heads weights {path}: missing or wrong-sized vocab_ids")
+    if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= backend.shape.vocab_size:
+        raise CausalDraftError(f"corrupt heads weights {path}: draft ids outside the vocabulary")
+    heads = new_heads(config, vocab_ids, backend.lm_head_weight())
+    try:
+        heads.load_state_dict({name: value.float() for name, value in tensors.items()})
+    except RuntimeError as error:
+        raise CausalDraftError(f"corrupt heads weights {path}: {error}") from error
+    return heads.eval()
+
+
+class HeadsDrafter:
+    """Grows chain/static/dynamic trees from the heads, optionally merged with prompt lookup."""
+
+    def __init__(self, heads: DraftHeads, backend: Backend, lookup_merge: bool = True) -> None:
+        self.heads = heads
+        self.backend = backend
+        self.name = heads.config.kind
+        self.lookup = LookupDrafter() if lookup_merge else None
+        self.lookup_hit_rate = 0.6  # EMA of the accepted share of the best lookup path
+        self.last_lookup: tuple[int, ...] = ()
+
+    def start(self, prompt: tuple[int, ...]) -> None:
+        if self.lookup is not None:
+            self.lookup.start(prompt)
+        self.last_lookup = ()
+
+    def propose(self, context: DraftContext) -> Draft:
+        if context.hidden is None:
+            return Draft.root_only(context.tokens[-1])
+        paths = self.lookup_paths(context)
+        reserve = len({path[:end] for path in paths for end in range(1, len(path) + 1)})
+        budget = max(2, context.max_nodes - reserve)
+        with torch.inference_mode():
+            expand = self.expander(context)
+            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
+        for rank, path in enumerate(paths):
+            for end in range(1, len(path) + 1):
+                score = self.lookup_hit_rate**end / (rank + 1)
+                merge_paths(draft, [path[:end]], score, context.max_nodes)
+        return Draft.from_tree_draft(draft, "deterministic")
+
+    def lookup_paths(self, context: DraftContext) -> list[tuple[int, ...]]:
+        if self.lookup is None:
+            self.last_lookup = ()
+            return []
+        limit = 1 if context.tree_kind == "chain" else 2
+        paths = self.lookup.continuations(context.tokens, context.depth, limit)
+        self.last_lookup = paths[0] if paths else ()
+        return paths
+
+    def expander(self, context: DraftContext):  # type: ignore[no-untyped-def]
+        """The tree builder's expand(tree, nodes): each node's top children from head depth + 1."""
+        heads = self.heads
+        count = 1 if context.tree_kind == "chain" else context.width
+        hidden = context.hidden.float().unsqueeze(0)  # type: ignore[union-attr]  # [1, hidden]
+        states: dict[int, torch.Tensor] = {}  # node -> its state [hidden] (s_{depth+1})
+        depths: dict[int, int] = {0: 0}
+        medusa_states: dict[int, torch.Tensor] = {}
+
+        def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
+            for node in nodes:
+                if node not in depths:
+                    depths[node] = depths[tree.parents[node]] + 1
+            live = [node for node in nodes if depths[node] < heads.config.num_heads]
+            result: dict[int, Candidates] = {node: [] for node in nodes}
+            for depth in sorted({depths[node] for node in live}):
+                group = [node for node in live if depths[node] == depth]
+                state = self.group_states(tree, group, depth, hidden, states, medusa_states)  # [m, hidden]
+                probs = torch.softmax(heads.logits(depth, state), dim=-1)  # [m, V']
+                top = torch.topk(probs, count, dim=-1)
+                ids = heads.vocab_ids[top.indices].tolist()  # [m, count]
+                values = top.values.tolist()
+                for row, node in enumerate(group):
+                    result[node] = list(zip(ids[row], values[row], strict=True))
+            return [result[node] for node in nodes]
+
+        return expand
+
+    def group_states(
+        self,
+        tree: Tree,
+        group: list[int],
+        depth: int,
+        hidden: torch.Tensor,  # [1, hidden]
+        states: dict[int, torch.Tensor],
+        medusa_states: dict[int, torch.Tensor],
+    ) -> torch.Tensor:
+        """States [m, hidden] of same-depth nodes, from their parents' states and their tokens."""
+        heads = self.heads
+        if heads.config.kind == "medusa":
+            if depth not in medusa_states:
+                medusa_states[depth] = heads.medusa_state(depth, hidden)
+            return medusa_states[depth].expand(len(group), -1)
+        if depth == 0:
+            parents = hidden.expand(len(group), -1)
+        else:
+            parents = torch.stack([states[tree.parents[node]] for node in group])  # [m, hidden]
+        tokens = torch.tensor([tree.tokens[node] for node in group], dtype=torch.long)
+        embeds = self.backend.embed(tokens).float()  # [m, hidden]
+        state = heads.step(depth, parents, embeds)
+        for row, node in enumerate(group):
+            states[node] = state[row]
+        return state
+
+    def observe(self, result: StepResult) -> None:
+        if not self.last_lookup:
+            return
+        emitted = result.acceptance.tokens
+        matched = 0
+        while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
+            matched += 1
+        self.lookup_hit_rate = 0.9 * self.lookup_hit_rate + 0.1 * matched / len(self.last_lookup)
+        self.lookup_hit_rate = min(0.95, max(0.05, self.lookup_hit_rate))
+
+
+def default_heads_dir(kind: str) -> Path:
+    return Path(__file__).resolve().parent.parent / "heads" / "default" / kind
+
+
+def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ignore[no-untyped-def]
+    """The registry's constructor: options.heads, or the shipped heads when the target is the
+    default model; otherwise a clear error."""
+    if kind not in HEAD_KINDS:
+        raise CausalDraftError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
+    if options.heads is not None:
+        directory = Path(options.heads).expanduser()
+        if not directory.is_dir():
+            raise CausalDraftError(f"heads directory {directory} does not exist")
+    else:
+        directory = default_heads_dir(kind)
+        shipped = (directory / CONFIG_FILE).is_file()
+        if not shipped or read_config(directory)[0].fingerprint != target.fingerprint:
+            raise CausalDraftError(
+                f"no trained {kind} heads for this model; pass --heads DIR (see causaldraft train-heads) "
+                "or use --drafter lookup"
+            )
+    heads = load_heads(directory, target.backend, target.fingerprint, kind)
+    return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge)

@@ -1,0 +1,51 @@
+"""``causaldraft train-heads``: flags derived from the recipe's frozen configs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from causaldraft.drafters.heads import HEAD_KINDS
+from causaldraft.train.data import GenerationConfig
+from causaldraft.train.recipe import Recipe, run_recipe
+from causaldraft.train.trainer import TrainConfig
+
+
+def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    recipe = Recipe(model="default", prompts=(), kind="markov", out=Path("."))
+    generation, training = GenerationConfig(), TrainConfig()
+    parser = commands.add_parser("train-heads", help="train markov/medusa draft heads by self-distillation")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prompts", nargs="+", required=True, type=Path, help="prompt files (.json/.jsonl/.txt)")
+    parser.add_argument("--heads", choices=HEAD_KINDS, default="markov")
+    parser.add_argument("--num-heads", type=int, default=recipe.num_heads)
+    parser.add_argument("--draft-vocab", type=int, default=recipe.draft_vocab)
+    parser.add_argument("--tokens", type=int, default=generation.tokens, help="response tokens to generate")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=None, help="cache of data/features/checkpoints")
+    parser.add_argument("--steps", type=int, default=training.steps)
+    parser.add_argument("--batch-size", type=int, default=training.batch_size)
+    parser.add_argument("--lr", type=float, default=training.lr)
+    parser.add_argument("--seed", type=int, default=training.seed)
+    parser.add_argument("--max-new-tokens", type=int, default=generation.max_new_tokens)
+    parser.add_argument("--gen-batch-size", type=int, default=generation.batch_size)
+    parser.add_argument("--threads", type=int, default=generation.threads, help="torch threads for data passes")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=recipe.dtype)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    generation = GenerationConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
+                                  batch_size=args.gen_batch_size, threads=args.threads)  # fmt: skip
+    training = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    recipe = Recipe(
+        model=args.model, prompts=tuple(args.prompts), kind=args.heads, out=args.out,
+        num_heads=args.num_heads, draft_vocab=args.draft_vocab, work=args.work, dtype=args.dtype,
+        generation=generation, training=training, command=shlex.join(["causaldraft", *sys.argv[1:]]),
+    )  # fmt: skip
+    summary = run_recipe(recipe)
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,93 @@
+"""The whole train-heads recipe: generate -> hidden pass -> train -> evaluate -> save.
+
+Generated data and features live in a work directory keyed by nothing but its path, so markov and
+medusa heads trained with the same ``work`` share exactly the same data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, new_heads, save_heads
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import causaldraft_home, load_model
+from causaldraft.train.data import GenerationConfig, generate_data
+from causaldraft.train.evaluate import evaluate
+from causaldraft.train.features import compute_features, draft_vocabulary, split_features
+from causaldraft.train.trainer import TrainConfig, train
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str
+    prompts: tuple[Path, ...]
+    kind: str
+    out: Path
+    num_heads: int = 5
+    draft_vocab: int = 8192
+    work: Path | None = None
+    dtype: str = "bfloat16"  # of the target in the hidden pass
+    top_k: int = 16
+    eval_every: int = 20
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    training: TrainConfig = field(default_factory=TrainConfig)
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise CausalDraftError(f"--heads must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
+        if not 1 <= self.num_heads <= 16:
+            raise CausalDraftError(f"--num-heads must be in [1, 16], got {self.num_heads}")
+        if self.draft_vocab < 16:
+            raise CausalDraftError(f"--draft-vocab must be >= 16, got {self.draft_vocab}")
+
+
+def run_recipe(recipe: Recipe) -> dict[str, object]:
+    timings: dict[str, float] = {}
+    loaded = load_model(recipe.model, "native", recipe.dtype)
+    work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
+    started = time.perf_counter()
+    generated = generate_data(loaded.model_dir, recipe.prompts, work / "gen", recipe.generation)
+    timings["generate_s"] = time.perf_counter() - started
+    torch.set_num_threads(recipe.generation.threads)
+    started = time.perf_counter()
+    features = compute_features(loaded.backend, work / "gen", work / "features", recipe.top_k)
+    timings["features_s"] = time.perf_counter() - started
+    train_set, eval_set = split_features(features, recipe.eval_every)
+    backend = loaded.backend
+    vocab_size = backend.shape.vocab_size
+    vocab_ids = draft_vocabulary(train_set, vocab_size, recipe.draft_vocab)
+    config = HeadsConfig(recipe.kind, recipe.num_heads, backend.shape.hidden_size, vocab_size,
+                         int(vocab_ids.numel()), loaded.fingerprint)  # fmt: skip
+    heads = new_heads(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
+    with torch.inference_mode():
+        embed = backend.embed(torch.arange(vocab_size)).float()  # [vocab, hidden]
+    checkpoint = work / (
+        f"ckpt-{recipe.kind}-h{recipe.num_heads}-v{config.draft_vocab}-s{recipe.training.seed}"
+        f"-n{recipe.training.steps}-b{recipe.training.batch_size}.pt"
+    )
+    started = time.perf_counter()
+    history = train(heads, train_set, embed, recipe.training, checkpoint)
+    timings["train_s"] = time.perf_counter() - started
+    evaluation = evaluate(heads, eval_set, embed)
+    coverage = float(torch.isin(eval_set.tokens, vocab_ids).float().mean())
+    summary: dict[str, object] = {
+        "command": recipe.command,
+        "response_tokens": generated.response_tokens,
+        "sequences": len(generated.responses),
+        "train_rows": int(train_set.tokens.numel()),
+        "eval_rows": int(eval_set.tokens.numel()),
+        "steps": recipe.training.steps,
+        "batch_size": recipe.training.batch_size,
+        "first_loss": round(history[0], 4),
+        "last_loss": round(sum(history[-20:]) / len(history[-20:]), 4),
+        "eval_vocab_coverage": round(coverage, 4),
+        "evaluation": evaluation.summary(),
+        "seconds_this_run": {name: round(value, 1) for name, value in timings.items()},
+    }
+    save_heads(heads, recipe.out, {"training": summary})
+    return summary

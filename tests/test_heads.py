@@ -1,0 +1,146 @@
+"""Markov / medusa heads drafters: greedy equivalence, seeded sampling, loading errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from causaldraft.api import load
+from causaldraft.config import SamplingConfig
+from causaldraft.drafters.base import DraftContext
+from causaldraft.drafters.heads import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    HeadsConfig,
+    HeadsDrafter,
+    load_heads,
+    load_heads_drafter,
+    new_heads,
+    save_heads,
+)
+from causaldraft.drafters.registry import DrafterOptions
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import LoadedModel, load_model
+
+PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_llama_dir), "native", "float32")
+
+
+def random_heads_dir(
+    tiny: LoadedModel, kind: str, directory: Path, seed: int = 0, fingerprint: str | None = None
+) -> Path:
+    shape = tiny.backend.shape
+    config = HeadsConfig(kind, 4, shape.hidden_size, shape.vocab_size, 200, fingerprint or tiny.fingerprint)
+    vocab_ids = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(seed))[:200].sort().values
+    heads = new_heads(config, vocab_ids, tiny.backend.lm_head_weight(), seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)  # medusa blocks start at zero
+    save_heads(heads, directory)
+    return directory
+
+
+def plain_outputs(tiny: LoadedModel, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    return [engine.generate(prompt, max_new_tokens=max_new_tokens).token_ids for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["markov", "medusa"])
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+@pytest.mark.parametrize("lookup_merge", [True, False])
+def test_random_heads_greedy_equivalence(
+    tiny: LoadedModel, tmp_path: Path, kind: str, tree: str, lookup_merge: bool
+) -> None:
+    heads_dir = random_heads_dir(tiny, kind, tmp_path / kind)
+    expected = plain_outputs(tiny, PROMPTS, 40)
+    engine = load(loaded=tiny, drafter=kind, tree=tree, heads=str(heads_dir), lookup_merge=lookup_merge,
+                  calibrate=False, fallback=False)  # fmt: skip
+    for prompt, plain in zip(PROMPTS, expected, strict=True):
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == plain
+        assert max(step.nodes for step in result.stats.steps) > 1  # it really speculated
+
+
+def test_seeded_sampling_is_reproducible(tiny: LoadedModel, tmp_path: Path) -> None:
+    heads_dir = random_heads_dir(tiny, "markov", tmp_path / "markov")
+    engine = load(loaded=tiny, drafter="markov", heads=str(heads_dir), calibrate=False, fallback=False)
+    first = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0.8, seed=123)
+    second = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0.8, seed=123)
+    other = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0.8, seed=124)
+    assert first.token_ids == second.token_ids
+    assert len(first.token_ids) == 48 and first.token_ids != other.token_ids
+
+
+def test_markov_children_depend_on_their_path(tiny: LoadedModel, tmp_path: Path) -> None:
+    markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny.backend, tiny.fingerprint)
+    drafter = HeadsDrafter(markov, tiny.backend, lookup_merge=False)
+    hidden = torch.randn(tiny.backend.shape.hidden_size)
+    context = DraftContext((5, 6, 7), hidden, "static", 3, 3, 32, SamplingConfig(), None)
+    draft = drafter.propose(context)
+    tree = draft.tree
+    level_one = tree.children(0)
+    assert len(level_one) == 3 and draft.child_mode == "deterministic"
+    grandchildren = [tuple(tree.tokens[c] for c in tree.children(node)) for node in level_one]
+    assert len(set(grandchildren)) > 1  # a medusa tree would repeat the same children
+    assert all(score <= 1.0 for score in draft.scores)
+
+
+def test_root_only_without_hidden(tiny: LoadedModel, tmp_path: Path) -> None:
+    heads = load_heads(random_heads_dir(tiny, "medusa", tmp_path / "m"), tiny.backend, tiny.fingerprint)
+    drafter = HeadsDrafter(heads, tiny.backend)
+    draft = drafter.propose(DraftContext((9,), None, "dynamic", 4, 3, 16, SamplingConfig(), None))
+    assert draft.tree.tokens == (9,)
+
+
+def test_fingerprint_mismatch_is_a_clear_error(tiny: LoadedModel, tmp_path: Path) -> None:
+    heads_dir = random_heads_dir(tiny, "markov", tmp_path / "m", fingerprint="0123456789abcdef")
+    with pytest.raises(CausalDraftError, match="another base model"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+
+
+def test_kind_mismatch_and_missing_default(tiny: LoadedModel, tmp_path: Path) -> None:
+    heads_dir = random_heads_dir(tiny, "medusa", tmp_path / "m")
+    with pytest.raises(CausalDraftError, match="medusa heads, not markov"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+    with pytest.raises(CausalDraftError, match="no trained markov heads for this model"):
+        load_heads_drafter("markov", tiny, DrafterOptions())
+    with pytest.raises(CausalDraftError, match="does not exist"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(tmp_path / "nowhere")))
+
+
+def test_corrupt_or_missing_files(tiny: LoadedModel, tmp_path: Path) -> None:
+    heads_dir = random_heads_dir(tiny, "markov", tmp_path / "m")
+    (heads_dir / WEIGHTS_FILE).write_bytes(b"not a safetensors file at all")
+    with pytest.raises(CausalDraftError, match="corrupt heads weights"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+    (heads_dir / WEIGHTS_FILE).unlink()
+    with pytest.raises(CausalDraftError, match="missing"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+    (heads_dir / CONFIG_FILE).write_text("{ not json")
+    with pytest.raises(CausalDraftError, match="corrupt heads config"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+    (heads_dir / CONFIG_FILE).write_text(json.dumps({"format": 1, "kind": "markov"}))
+    with pytest.raises(CausalDraftError, match="corrupt heads config"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+
+
+@pytest.mark.slow
+def test_shipped_default_heads_match_plain_decoding() -> None:
+    questions = Path("/work/shared/data/bench/mt_bench_question.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["turns"][0] for line in questions[:2]]
+    target = load_model("default", "native", "float32")
+    plain = load(loaded=target, drafter="none", calibrate=False)
+    expected = [plain.generate(prompt, max_new_tokens=64, chat=True).token_ids for prompt in prompts]
+    for kind in ("markov", "medusa"):
+        engine = load(loaded=target, drafter=kind, calibrate=False, fallback=False)
+        for prompt, tokens in zip(prompts, expected, strict=True):
+            result = engine.generate(prompt, max_new_tokens=64, chat=True)
+            assert result.token_ids == tokens
+            assert result.stats.mean_accepted > 1.2

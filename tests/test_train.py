@@ -1,0 +1,135 @@
+"""train-heads on the tiny model: data formats, feature layout, loss falls, evaluation, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from causaldraft.api import load
+from causaldraft.cli import main
+from causaldraft.drafters.heads import HeadsConfig, load_heads, new_heads
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import load_model
+from causaldraft.train.data import cut_at_eos, mix_prompts, read_prompts
+from causaldraft.train.evaluate import evaluate
+from causaldraft.train.features import compute_features, draft_vocabulary, split_features
+from causaldraft.train.trainer import TrainConfig, train
+
+WORDS = ["the cat sat", "hello world", "abc abc", "one two three", "red green blue", "up down", "yes no"]
+
+
+def write_prompts(directory: Path) -> Path:
+    path = directory / "prompts.txt"
+    path.write_text("\n".join(f"{a} and {b}" for a in WORDS for b in WORDS[:4]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One CLI run per head kind over a shared work directory (the data is generated once)."""
+    root = tmp_path_factory.mktemp("train")
+    prompts = write_prompts(root)
+    outputs = {}
+    for kind in ("markov", "medusa"):
+        code = main(["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(prompts), "--heads", kind,
+                     "--num-heads", "3", "--draft-vocab", "160", "--tokens", "1200", "--max-new-tokens", "48",
+                     "--gen-batch-size", "8", "--steps", "40", "--batch-size", "128", "--dtype", "float32",
+                     "--work", str(root / "work"), "--out", str(root / kind)])  # fmt: skip
+        assert code == 0
+        outputs[kind] = root / kind
+    outputs["work"] = root / "work"
+    return outputs
+
+
+def test_prompt_formats(tmp_path: Path) -> None:
+    sharegpt = tmp_path / "a.json"
+    first = {"conversations": [{"from": "human", "value": " hi "}, {"from": "gpt", "value": "x"}]}
+    sharegpt.write_text(json.dumps([first, {"conversations": [{"from": "gpt", "value": "only gpt"}]}]))
+    questions = tmp_path / "b.jsonl"
+    questions.write_text('{"question": "q1"}\n{"turns": ["t1", "t2"]}\n')
+    assert read_prompts(sharegpt) == ["hi"]
+    assert read_prompts(questions) == ["q1", "t1"]
+    assert mix_prompts([sharegpt, questions], seed=0)[0] == "hi"
+    bad = tmp_path / "c.jsonl"
+    bad.write_text("{broken\n")
+    with pytest.raises(CausalDraftError, match="cannot read prompts"):
+        read_prompts(bad)
+    with pytest.raises(CausalDraftError, match="does not exist"):
+        read_prompts(tmp_path / "none.json")
+
+
+def test_cut_at_eos() -> None:
+    assert cut_at_eos([5, 6, 2, 2, 2], 2) == [5, 6, 2]
+    assert cut_at_eos([5, 6], 2) == [5, 6]
+
+
+def test_feature_segments_follow_the_documented_layout(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
+    work = trained["work"]
+    shard = torch.load(sorted((work / "gen").glob("shard_*.pt"))[0], weights_only=True)
+    tiny = load_model(str(tiny_llama_dir), "native", "float32")
+    features = compute_features(tiny.backend, work / "gen", work / "features")
+    prompt, response = shard["prompts"][0], shard["responses"][0]
+    segment = features.tokens[: len(response) + 1].tolist()
+    assert segment == prompt[-1:] + response
+    assert int(features.ends[0]) == len(response)
+    # each row's top-1 is the target's greedy next token (the response was generated greedily)
+    assert features.topk_ids[: len(response), 0].tolist() == response
+
+
+def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
+    tiny = load_model(str(tiny_llama_dir), "native", "float32")
+    features = compute_features(tiny.backend, trained["work"] / "gen", trained["work"] / "features")
+    train_set, eval_set = split_features(features, eval_every=5)
+    assert train_set.tokens.numel() + eval_set.tokens.numel() == features.tokens.numel()
+    shape = tiny.backend.shape
+    vocab_ids = draft_vocabulary(train_set, shape.vocab_size, 128)
+    embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
+    for kind in ("markov", "medusa"):
+        heads = new_heads(HeadsConfig(kind, 3, shape.hidden_size, shape.vocab_size, 128, tiny.fingerprint),
+                          vocab_ids, tiny.backend.lm_head_weight())  # fmt: skip
+        before = evaluate(heads, eval_set, embed)
+        history = train(heads, train_set, embed, TrainConfig(steps=60, batch_size=128, warmup=5))
+        after = evaluate(heads, eval_set, embed)
+        assert sum(history[-10:]) / 10 < 0.95 * history[0]
+        assert after.top1[0] > before.top1[0]
+        assert all(0.0 <= value <= 1.0 for value in after.top1 + after.top5)
+        assert after.top5[0] >= after.top1[0]
+
+
+def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path) -> None:
+    tiny = load_model(str(tiny_llama_dir), "native", "float32")
+    features = compute_features(tiny.backend, trained["work"] / "gen", trained["work"] / "features")
+    shape = tiny.backend.shape
+    vocab_ids = draft_vocabulary(features, shape.vocab_size, 128)
+    embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
+    config = HeadsConfig("markov", 2, shape.hidden_size, shape.vocab_size, 128, tiny.fingerprint)
+    straight = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
+    full = train(straight, features, embed, TrainConfig(steps=8, batch_size=32, autocast=False))
+    resumed = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
+    checkpoint = tmp_path / "ckpt.pt"
+    train(resumed, features, embed, TrainConfig(steps=4, batch_size=32, autocast=False, checkpoint_every=4), checkpoint)
+    state = torch.load(checkpoint, weights_only=False)
+    state["step"] = 4
+    again = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
+    history = train(again, features, embed, TrainConfig(steps=8, batch_size=32, autocast=False), checkpoint)
+    assert history == pytest.approx(full, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["markov", "medusa"])
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+def test_trained_heads_keep_greedy_output(trained: dict[str, Path], tiny_llama_dir: Path, kind: str, tree: str) -> None:
+    tiny = load_model(str(tiny_llama_dir), "native", "float32")
+    config = json.loads((trained[kind] / "heads_config.json").read_text())
+    assert config["fingerprint"] == tiny.fingerprint and config["training"]["steps"] == 40
+    plain = load(loaded=tiny, drafter="none", calibrate=False)
+    engine = load(loaded=tiny, drafter=kind, tree=tree, heads=str(trained[kind]), lookup_merge=False,
+                  calibrate=False, fallback=False)  # fmt: skip
+    for prompt in ("the cat sat and up down", "yes no and hello world"):
+        expected = plain.generate(prompt, max_new_tokens=40).token_ids
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == expected
+    heads = load_heads(trained[kind], tiny.backend, tiny.fingerprint, kind)
+    assert heads.config.num_heads == 3

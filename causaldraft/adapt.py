@@ -81,10 +81,11 @@ class AdaptState:
     failures: int = 0
     probe_steps: int = 0
     depth_hits: list[float] = field(default_factory=list)
+    timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
 
 
-def initial_adapt_state(tree: TreeConfig) -> AdaptState:
-    return AdaptState(depth=tree.depth, width=tree.width, depth_hits=[0.5] * tree.depth)
+def initial_adapt_state(tree: TreeConfig, timed: bool = True) -> AdaptState:
+    return AdaptState(depth=tree.depth, width=tree.width, depth_hits=[0.5] * tree.depth, timed=timed)
 
 
 def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int) -> int:
@@ -130,7 +131,7 @@ def update_after_step(
     if decode.adapt and tree.kind != "chain":
         state.width = tree.width if state.depth_hits[0] < 0.8 else max(1, tree.width - 1)
     speedup = state.tokens_per_step * cost(1) / (cost(nodes) + state.draft_seconds)
-    if decode.fallback and state.probe_steps >= 4 and speedup < 1.0:
+    if decode.fallback and state.timed and state.probe_steps >= 4 and speedup < 1.0:
         state.failures += 1
         state.speculating = False
         state.plain_steps_left = decode.reprobe_every * 2 ** min(state.failures - 1, 4)

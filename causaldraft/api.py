@@ -80,7 +80,10 @@ class Engine:
         state = prefill(self.decoder, prompt_ids, max_new_tokens, generator)
         self.last_stats = state.stats
         text = TextTracker(self.tokenizer, stops)
-        for emitted in decode_steps(self.decoder, state, self.adapt, sampling, max_new_tokens):
+        # A seeded request adapts from a fresh state without timing-based decisions, so the same
+        # seed gives the same tokens (tree shapes, and so random draws, never depend on the clock).
+        adapt = self.adapt if seed is None else initial_adapt_state(self.decoder.tree, timed=False)
+        for emitted in decode_steps(self.decoder, state, adapt, sampling, max_new_tokens):
             kept, delta = text.add(emitted)
             state.stats.wall_s = time.perf_counter() - started
             if kept < len(emitted):
@@ -188,9 +191,9 @@ def load(
     defaults = TreeConfig()
     tree_config = TreeConfig(
         kind=tree,
-        depth=depth or (defaults.depth if tree != "chain" else 6),
-        width=width or (defaults.width if tree != "chain" else 1),
-        max_nodes=max_nodes or defaults.max_nodes,
+        depth=depth if depth is not None else (defaults.depth if tree != "chain" else 6),
+        width=width if width is not None else (defaults.width if tree != "chain" else 1),
+        max_nodes=max_nodes if max_nodes is not None else defaults.max_nodes,
     )
     decode_config = DecodeConfig(acceptance=acceptance, adapt=adapt, fallback=fallback and drafter != "none")
     target = loaded or load_model(model, backend, dtype)

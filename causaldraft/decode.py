@@ -135,7 +135,7 @@ def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling
         generator=state.generator,
     )
     draft = decoder.drafter.propose(context)
-    if draft.tree.size <= 2 or not decoder.decode.adapt or draft.child_mode != "deterministic":
+    if draft.tree.size <= 2 or not (decoder.decode.adapt and adapt.timed) or draft.child_mode != "deterministic":
         return draft
     ranked = sorted(draft.scores[1:], reverse=True)
     budget = choose_budget(ranked, adapt, decoder.cost, decoder.tree.max_nodes)

@@ -3,8 +3,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny import save_tiny_gpt2, save_tiny_llama
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tiny models gain nothing from intra-op threads, and spinning threads fight over 2 cores.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +22,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama-shaped model with qkv bias (the Qwen2 layout), saved as model_type qwen2."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    import torch
 
     from tests.tiny import byte_tokenizer
 

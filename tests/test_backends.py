@@ -1,0 +1,150 @@
+"""Native vs transformers parity, the hf adapter over trees, and loading errors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import Backend
+from causaldraft.models.hf import HFBackend
+from causaldraft.models.loading import load_model
+from causaldraft.models.native import NativeLlama
+from causaldraft.tree import Tree, compile_tree, full_mask
+
+PREFIX = [5, 17, 42, 99, 3, 250, 8, 61]
+
+
+def run_prefix_and_tree(backend: Backend, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = backend.new_cache(64)
+    n = len(PREFIX)
+    prefix_out = backend.forward(
+        torch.tensor(PREFIX), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache
+    )
+    compiled = compile_tree(tree)
+    tree_out = backend.forward(
+        torch.tensor(tree.tokens), compiled.depths + n, full_mask(compiled, n), cache
+    )
+    return prefix_out.logits, tree_out.logits
+
+
+TREES = {
+    "chain": Tree.chain([7, 8, 9, 10]),
+    "branching": Tree(parents=(-1, 0, 0, 1, 1, 2), tokens=(7, 8, 30, 9, 31, 32)),
+}
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_native_matches_transformers_on_prefix_and_tree(tiny_llama_dir: Path, shape: str) -> None:
+    native = NativeLlama.from_pretrained(tiny_llama_dir, torch.float32)
+    reference = HFBackend.from_pretrained(tiny_llama_dir, torch.float32)
+    native_prefix, native_tree = run_prefix_and_tree(native, TREES[shape])
+    hf_prefix, hf_tree = run_prefix_and_tree(reference, TREES[shape])
+    assert (native_prefix - hf_prefix).abs().max() < 1e-3
+    assert (native_tree - hf_tree).abs().max() < 1e-3
+
+
+def test_native_qwen2_layout_with_qkv_bias_matches_transformers(tiny_qwen_dir: Path) -> None:
+    native = NativeLlama.from_pretrained(tiny_qwen_dir, torch.float32)
+    assert native.llama_shape.qkv_bias and native.llama_shape.tie_embeddings
+    reference = HFBackend.from_pretrained(tiny_qwen_dir, torch.float32)
+    for tree in TREES.values():
+        native_prefix, native_tree = run_prefix_and_tree(native, tree)
+        hf_prefix, hf_tree = run_prefix_and_tree(reference, tree)
+        assert (native_prefix - hf_prefix).abs().max() < 1e-3
+        assert (native_tree - hf_tree).abs().max() < 1e-3
+
+
+def plain_causal_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_gpt2_dir", "tiny_llama_dir"])
+def test_tree_forward_equals_plain_forwards_over_each_path(model_dir: str, request: pytest.FixtureRequest) -> None:
+    directory = request.getfixturevalue(model_dir)
+    backend = HFBackend.from_pretrained(directory, torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    tree = TREES["branching"]
+    _, tree_logits = run_prefix_and_tree(backend, tree)
+    for path in compile_tree(tree).paths:
+        tokens = PREFIX + [tree.tokens[node] for node in path]
+        expected = plain_causal_logits(plain, tokens)[len(PREFIX) :]
+        assert (tree_logits[list(path)] - expected).abs().max() < 1e-4
+
+
+def test_native_tree_forward_equals_plain_forwards_over_each_path(tiny_llama_dir: Path) -> None:
+    native = NativeLlama.from_pretrained(tiny_llama_dir, torch.float32)
+    tree = TREES["branching"]
+    _, tree_logits = run_prefix_and_tree(native, tree)
+    for path in compile_tree(tree).paths:
+        tokens = PREFIX + [tree.tokens[node] for node in path]
+        cache = native.new_cache(32)
+        n = len(tokens)
+        out = native.forward(torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
+        assert (tree_logits[list(path)] - out.logits[len(PREFIX) :]).abs().max() < 1e-4
+
+
+def test_self_draft_shares_the_targets_weights(tiny_llama_dir: Path) -> None:
+    native = NativeLlama.from_pretrained(tiny_llama_dir, torch.float32)
+    draft = native.truncated(2)
+    assert draft.layers[0] is native.layers[0] and draft.lm_head is native.lm_head
+    assert len(draft.layers) == 2
+    with pytest.raises(CausalDraftError):
+        native.truncated(4)
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CausalDraftError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CausalDraftError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_corrupt_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CausalDraftError, match="corrupt"):
+        load_model(str(broken), dtype="float32")
+
+
+def test_missing_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "noweights"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CausalDraftError, match="safetensors"):
+        load_model(str(broken), dtype="float32")
+
+
+def test_unsupported_architecture_on_native_points_to_hf(tiny_gpt2_dir: Path) -> None:
+    with pytest.raises(CausalDraftError, match="--backend hf"):
+        load_model(str(tiny_gpt2_dir), backend="native", dtype="float32")
+    loaded = load_model(str(tiny_gpt2_dir), backend="hf", dtype="float32")
+    assert loaded.backend.shape.vocab_size == 259
+
+
+def test_bad_gguf_file_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAUSALDRAFT_HOME", str(tmp_path / "home"))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf")
+    with pytest.raises(CausalDraftError, match="cannot convert"):
+        load_model(str(fake))
+    text = tmp_path / "weights.bin"
+    text.write_bytes(b"x")
+    with pytest.raises(CausalDraftError, match="not a .gguf"):
+        load_model(str(text))
+
+
+def test_unknown_dtype_and_backend_are_clear_errors(tiny_llama_dir: Path) -> None:
+    with pytest.raises(CausalDraftError, match="dtype"):
+        load_model(str(tiny_llama_dir), dtype="float8")
+    with pytest.raises(CausalDraftError, match="backend"):
+        load_model(str(tiny_llama_dir), backend="onnx", dtype="float32")

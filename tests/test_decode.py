@@ -1,0 +1,241 @@
+"""The decode loop: greedy equivalence of every drafter x tree kind, stop rules, bad input,
+sampling law end to end on the tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import causaldraft
+from causaldraft.api import Engine
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.native import NativeLlama
+from causaldraft.sampling import warp_probs
+from causaldraft.config import SamplingConfig
+
+PROMPTS = ["hello world hello world", "the cat sat on the mat. the cat", "abcabcabc"]
+DRAFTERS = ["lookup", "draft"]
+TREES = ["chain", "static", "dynamic"]
+
+
+def engine(directory: Path, drafter: str = "none", **options: object) -> Engine:
+    settings: dict[str, object] = {"dtype": "float32", "drafter": drafter, "draft_layers": 2, "calibrate": False}
+    settings.update(options)
+    return causaldraft.load(str(directory), **settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llama_dir: Path) -> dict[str, list[int]]:
+    plain = engine(tiny_llama_dir)
+    return {prompt: plain.generate(prompt, max_new_tokens=48).token_ids for prompt in PROMPTS}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("fallback", [False, True])
+def test_greedy_speculative_output_is_token_identical_to_plain(
+    tiny_llama_dir: Path, plain_outputs: dict[str, list[int]], drafter: str, tree: str, fallback: bool
+) -> None:
+    spec = engine(tiny_llama_dir, drafter, tree=tree, fallback=fallback, calibrate=fallback)
+    for prompt in PROMPTS:
+        result = spec.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == plain_outputs[prompt], (drafter, tree, prompt)
+        if not fallback:
+            assert sum(step.nodes for step in result.stats.steps) > result.stats.target_forwards
+
+
+def test_separate_draft_model_equal_to_target_accepts_every_token(
+    tiny_llama_dir: Path, plain_outputs: dict[str, list[int]]
+) -> None:
+    spec = engine(tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree="chain", depth=5,
+                  fallback=False, adapt=False)  # fmt: skip
+    result = spec.generate(PROMPTS[0], max_new_tokens=48)
+    assert result.token_ids == plain_outputs[PROMPTS[0]]
+    assert all(step.accepted == 5 for step in result.stats.steps[:-1]), [s.accepted for s in result.stats.steps]
+    for tree in ("static", "dynamic"):
+        spec = engine(tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree=tree, fallback=False)
+        result = spec.generate(PROMPTS[0], max_new_tokens=48)
+        assert result.token_ids == plain_outputs[PROMPTS[0]]
+        assert result.stats.mean_accepted > 3.0
+
+
+def test_plain_greedy_matches_transformers_generate(tiny_llama_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    plain = engine(tiny_llama_dir)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids) :]
+        assert plain.generate(prompt, max_new_tokens=30).token_ids == expected.tolist()
+
+
+def test_eos_accepted_mid_block_ends_the_output_there(tiny_llama_dir: Path, plain_outputs: dict[str, list[int]]) -> None:
+    reference = plain_outputs[PROMPTS[0]]
+    eos = reference[7]
+    cut = reference.index(eos) + 1
+    spec = engine(tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree="chain", depth=6, fallback=False, adapt=False)
+    spec.decoder = dataclasses.replace(spec.decoder, eos_token_ids=frozenset({eos}))
+    result = spec.generate(PROMPTS[0], max_new_tokens=48)
+    assert result.token_ids == reference[:cut]
+    assert result.finish_reason == "stop"
+    last = result.stats.steps[-1]
+    assert sum(min(s.accepted + 1, 48) for s in result.stats.steps) > cut  # the last block went past EOS
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "draft"])
+def test_max_new_tokens_is_exact(tiny_llama_dir: Path, plain_outputs: dict[str, list[int]], drafter: str) -> None:
+    spec = engine(tiny_llama_dir, drafter, fallback=False)
+    for limit in (1, 2, 7, 13):
+        result = spec.generate(PROMPTS[0], max_new_tokens=limit)
+        assert result.token_ids == plain_outputs[PROMPTS[0]][:limit]
+        assert result.stats.new_tokens == limit and result.finish_reason == "length"
+
+
+def test_stop_strings_end_output_exactly_like_plain_decoding(tiny_llama_dir: Path) -> None:
+    plain = engine(tiny_llama_dir)
+    full = plain.generate(PROMPTS[1], max_new_tokens=48)
+    stop = full.text[10:13]
+    expected = plain.generate(PROMPTS[1], max_new_tokens=48, stop=[stop])
+    assert expected.text == full.text[: full.text.index(stop)]
+    assert expected.finish_reason == "stop"
+    for drafter in DRAFTERS:
+        spec = engine(tiny_llama_dir, drafter, fallback=False)
+        result = spec.generate(PROMPTS[1], max_new_tokens=48, stop=[stop])
+        assert (result.text, result.token_ids) == (expected.text, expected.token_ids)
+        streamed = "".join(spec.stream(PROMPTS[1], max_new_tokens=48, stop=stop))
+        assert streamed == expected.text
+
+
+def test_stream_yields_the_generated_text(tiny_llama_dir: Path) -> None:
+    spec = engine(tiny_llama_dir, "lookup")
+    pieces = list(spec.stream(PROMPTS[0], max_new_tokens=20))
+    assert len(pieces) > 1
+    assert "".join(pieces) == spec.generate(PROMPTS[0], max_new_tokens=20).text
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tiny_llama_dir, other)
+    tokenizer = AutoTokenizer.from_pretrained(str(other))
+    tokenizer.add_tokens(["<extra-token>"])
+    tokenizer.save_pretrained(str(other))
+    with pytest.raises(CausalDraftError, match="vocabulary"):
+        engine(tiny_llama_dir, "draft", draft_model=str(other))
+
+
+def test_context_overflow_is_a_clear_error(tiny_llama_dir: Path) -> None:
+    plain = engine(tiny_llama_dir)
+    with pytest.raises(CausalDraftError, match="context"):
+        plain.generate("x" * 500, max_new_tokens=20)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"max_new_tokens": 0},
+     {"max_new_tokens": "ten"}, {"temperature": float("nan")}],
+)  # fmt: skip
+def test_invalid_sampling_parameters_are_clear_errors(tiny_llama_dir: Path, options: dict[str, object]) -> None:
+    plain = engine(tiny_llama_dir)
+    with pytest.raises(CausalDraftError):
+        plain.generate(PROMPTS[0], **options)
+    assert plain.generate(PROMPTS[0], max_new_tokens=3).stats.new_tokens == 3  # nothing lost
+
+
+def test_invalid_engine_options_are_clear_errors(tiny_llama_dir: Path) -> None:
+    for options in ({"tree": "forest"}, {"drafter": "oracle"}, {"acceptance": "optimistic"}, {"depth": 0}):
+        with pytest.raises(CausalDraftError):
+            engine(tiny_llama_dir, **options)  # type: ignore[arg-type]
+
+
+def test_empty_prompt_and_bad_token_ids_are_clear_errors(tiny_llama_dir: Path) -> None:
+    plain = engine(tiny_llama_dir)
+    with pytest.raises(CausalDraftError):
+        plain.generate("", max_new_tokens=3)
+    with pytest.raises(CausalDraftError):
+        plain.generate([1, 2, 9999], max_new_tokens=3)
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir: Path) -> None:
+    spec = engine(tiny_llama_dir, "draft", tree="static", fallback=False)
+    first = spec.generate(PROMPTS[0], max_new_tokens=24, temperature=1.0, seed=7)
+    second = spec.generate(PROMPTS[0], max_new_tokens=24, temperature=1.0, seed=7)
+    third = spec.generate(PROMPTS[0], max_new_tokens=24, temperature=1.0, seed=8)
+    assert first.token_ids == second.token_ids
+    assert first.token_ids != third.token_ids
+
+
+# ---- end-to-end sampling law ------------------------------------------------------------------
+
+SAMPLES = 1000
+SAMPLING = SamplingConfig(temperature=1.0, top_k=4)
+
+
+def exact_law(directory: Path, prompt_ids: list[int], sampling: SamplingConfig) -> dict[tuple[int, int], float]:
+    """Enumerate the target's law of the first two generated tokens (fp32 full forwards)."""
+    model = NativeLlama.from_pretrained(directory, torch.float32)
+
+    def next_probs(tokens: list[int]) -> torch.Tensor:
+        cache = model.new_cache(len(tokens))
+        n = len(tokens)
+        logits = model.forward(torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache).logits
+        return warp_probs(logits[-1], sampling)
+
+    first = next_probs(prompt_ids)
+    law = {}
+    for a in first.nonzero().flatten().tolist():
+        second = next_probs([*prompt_ids, a])
+        for b in second.nonzero().flatten().tolist():
+            law[(a, b)] = float(first[a] * second[b])
+    return law
+
+
+@pytest.mark.parametrize(("drafter", "tree", "options"), [
+    ("draft", "chain", {}), ("draft", "static", {}), ("lookup", "dynamic", {}),
+    ("draft", "chain", {"top_p": 0.8}),
+])  # fmt: skip
+def test_sampled_output_follows_the_exact_target_law(
+    tiny_llama_dir: Path, drafter: str, tree: str, options: dict[str, float]
+) -> None:
+    sampling = dataclasses.replace(SAMPLING, **options)
+    spec = engine(tiny_llama_dir, drafter, tree=tree, depth=2, fallback=False, adapt=False)
+    prompt_ids = spec.encode(PROMPTS[0])
+    law = exact_law(tiny_llama_dir, prompt_ids, sampling)
+    counts: Counter[tuple[int, int]] = Counter()
+    drafted = 0
+    for seed in range(SAMPLES):
+        result = spec.generate(prompt_ids, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed, **options)
+        counts[(result.token_ids[0], result.token_ids[1])] += 1
+        drafted += result.stats.steps[0].nodes - 1
+    assert drafted > SAMPLES  # the verifier really judged drafts
+    assert set(counts) <= set(law)
+    keys = sorted(law)
+    observed = [counts[key] for key in keys]
+    total = sum(law.values())
+    expected = [law[key] / total * sum(observed) for key in keys]
+    assert chisquare(observed, expected).pvalue > 1e-4
+
+
+def test_naive_acceptance_fails_the_same_law_test(tiny_llama_dir: Path) -> None:
+    spec = engine(tiny_llama_dir, "draft", tree="static", depth=2, width=3, fallback=False, adapt=False,
+                  acceptance="naive")  # fmt: skip
+    prompt_ids = spec.encode(PROMPTS[0])
+    sampling = dataclasses.replace(SAMPLING, top_k=0)
+    law = exact_law(tiny_llama_dir, prompt_ids, dataclasses.replace(SAMPLING))
+    counts: Counter[tuple[int, int]] = Counter()
+    for seed in range(SAMPLES):
+        result = spec.generate(prompt_ids, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed)
+        counts[(result.token_ids[0], result.token_ids[1])] += 1
+    keys = sorted(law)
+    observed = [counts[key] for key in keys]
+    total = sum(law.values())
+    expected = [law[key] / total * sum(observed) for key in keys]
+    assert sampling.top_k == 0
+    assert chisquare(observed, expected).pvalue < 1e-4

@@ -20,10 +20,12 @@ from causaldraft.serve.app import create_app
 from causaldraft.serve.metrics import Metrics
 from causaldraft.serve.server import BackgroundServer
 from causaldraft.serve.worker import Event, Failed, Finished, GenerationRequest, Job, Started, Worker
+from tests.tiny import save_tiny_llama
 
 MODEL = "tiny"
-LONG_PROMPT = "Hello there"  # greedy on the tiny model runs to the length limit, no early EOS
-LONG_TOKENS = 450
+CONTEXT = 4096  # long enough that a "slow" request takes many steps even on a fast machine
+LONG_PROMPT = "Hello there"  # greedy on the tiny model does not stop early (the cancel tests would fail)
+LONG_TOKENS = 4000
 
 
 def tiny_engine(model_dir: Path) -> Engine:
@@ -31,14 +33,19 @@ def tiny_engine(model_dir: Path) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir: Path) -> Engine:
-    """A second engine on the same model, for the expected outputs (the server's is the worker's alone)."""
-    return tiny_engine(tiny_llama_dir)
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[BackgroundServer]:
-    app = create_app(tiny_engine(tiny_llama_dir), max_queue=1, model_name=MODEL)
+def reference(model_dir: Path) -> Engine:
+    """A second engine on the same model, for the expected outputs (the server's is the worker's alone)."""
+    return tiny_engine(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[BackgroundServer]:
+    app = create_app(tiny_engine(model_dir), max_queue=1, model_name=MODEL)
     with BackgroundServer(app) as running:
         yield running
 
@@ -108,6 +115,14 @@ def test_chat_greedy_equals_engine(client: openai.OpenAI, reference: Engine) -> 
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
+def test_null_parameters_mean_defaults(server: BackgroundServer, reference: Engine) -> None:
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "top_p": None, "n": None,
+            "stream": None, "stop": None, "seed": None, "user": "someone"}  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference.generate("abc", max_new_tokens=5).text
+
+
 def test_stream_ends_with_done(server: BackgroundServer) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
@@ -135,9 +150,9 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(prompt=""), "prompt"),
     ("completions", completion(prompt=["a", "b"]), "prompt"),
     ("completions", completion(prompt=[999999]), "prompt"),
-    ("completions", completion(prompt="x" * 600), "prompt"),
-    ("completions", completion(prompt="x" * 600, stream=True), "prompt"),
-    ("completions", completion(prompt="x" * 300, max_tokens=300), "max_tokens"),
+    ("completions", completion(prompt="x" * (CONTEXT + 100)), "prompt"),
+    ("completions", completion(prompt="x" * (CONTEXT + 100), stream=True), "prompt"),
+    ("completions", completion(prompt="x" * (CONTEXT - 100), max_tokens=300), "max_tokens"),
     ("completions", completion(max_tokens="ten"), "max_tokens"),
     ("completions", completion(max_tokens=2.5), "max_tokens"),
     ("completions", completion(max_tokens=True), "max_tokens"),
@@ -158,7 +173,7 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(messages="hi"), "messages"),
     ("chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
     ("chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages"),
-    ("chat/completions", chat(messages=[{"role": "user", "content": "x" * 600}]), "messages"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": "x" * (CONTEXT + 100)}]), "messages"),
     ("chat/completions", chat(max_tokens=-3), "max_tokens"),
     ("chat/completions", chat(n=3), "n"),
     ("chat/completions", chat(model="other"), "model"),
@@ -212,6 +227,16 @@ def test_disconnect_mid_stream_frees_the_worker(
     assert after[cancelled] == before[cancelled] + 1  # the worker broke off the stream, it did not finish it
     generated = after["causaldraft_generated_tokens_total"] - before["causaldraft_generated_tokens_total"]
     assert generated < LONG_TOKENS  # the long request stopped early: it did not run to its length
+
+
+def test_disconnect_while_waiting_non_streamed(server: BackgroundServer, client: openai.OpenAI) -> None:
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    cancelled = 'causaldraft_generations_total{outcome="cancelled"}'
+    wait_until(lambda: metrics(server)[cancelled] == before[cancelled] + 1)
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3).usage is not None
 
 
 def test_queue_full_gets_429(server: BackgroundServer, client: openai.OpenAI, reference: Engine) -> None:

@@ -84,6 +84,15 @@ class Inbox:
         self.loop = loop
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.pending: asyncio.Future[Event] | None = None
+        self.checked_at = time.monotonic()
+
+    def check_due(self) -> bool:
+        """True once per DISCONNECT_POLL_S: time to ask whether the client is still connected."""
+        now = time.monotonic()
+        if now - self.checked_at < DISCONNECT_POLL_S:
+            return False
+        self.checked_at = now
+        return True
 
     def deliver(self, event: Event) -> None:  # called from the worker thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -236,13 +245,14 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
             raise
 
     async def wait_event(request: Request, inbox: Inbox, job: Job) -> Event:
+        """The job's next event; every DISCONNECT_POLL_S, even while events flow, check the client is there."""
         while True:
             event = await inbox.next(DISCONNECT_POLL_S)
-            if event is not None:
-                return event
-            if await request.is_disconnected():
+            if inbox.check_due() and await request.is_disconnected():
                 job.cancelled.set()
                 raise ClientGone
+            if event is not None:
+                return event
 
     async def collect(request: Request, inbox: Inbox, job: Job, reply: Reply) -> JSONResponse:
         texts: list[str] = []

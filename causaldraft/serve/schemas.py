@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_STOPS = 4
@@ -60,6 +60,14 @@ class GenerationParams(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("temperature", "top_p", "n", "stream", mode="before")
+    @classmethod
+    def null_means_default(cls, value: object, info: ValidationInfo) -> object:
+        """Clients often send ``null`` for parameters they leave unset."""
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
 
     @field_validator("n")
     @classmethod

@@ -87,6 +87,9 @@ class DraftHeads(nn.Module):
         for block in self.blocks:
             assert isinstance(block, nn.Linear)
             nn.init.zeros_(block.weight)  # Medusa's ResBlock starts as the identity
+        for proj in self.state_proj:
+            assert isinstance(proj, nn.Linear)
+            nn.init.eye_(proj.weight)  # markov starts by carrying h_t forward
 
     def step(self, head: int, state: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """markov: s_{head+1} from s_head [m, hidden] and the path tokens' embeddings [m, hidden]."""
@@ -172,6 +175,8 @@ class HeadsDrafter:
         self.name = heads.config.kind
         self.lookup = LookupDrafter() if lookup_merge else None
         self.lookup_hit_rate = 0.6  # EMA of the accepted share of the best lookup path
+        # drafting reads the output rows once per tree level: bf16 halves the (memory-bound) cost
+        self.out_weight = heads.out_weight.to(torch.bfloat16)  # [V', hidden]
         self.last_lookup: tuple[int, ...] = ()
 
     def start(self, prompt: tuple[int, ...]) -> None:
@@ -221,12 +226,16 @@ class HeadsDrafter:
             for depth in sorted({depths[node] for node in live}):
                 group = [node for node in live if depths[node] == depth]
                 state = self.group_states(tree, group, depth, hidden, states, medusa_states)  # [m, hidden]
-                probs = torch.softmax(heads.logits(depth, state), dim=-1)  # [m, V']
+                if heads.config.kind == "medusa":
+                    state = state[:1]  # one distinct row per depth
+                normed = heads.out_norms[depth](state).to(torch.bfloat16)  # [m, hidden]
+                probs = torch.softmax((normed @ self.out_weight.t()).float(), dim=-1)  # [m, V']
                 top = torch.topk(probs, count, dim=-1)
                 ids = heads.vocab_ids[top.indices].tolist()  # [m, count]
                 values = top.values.tolist()
                 for row, node in enumerate(group):
-                    result[node] = list(zip(ids[row], values[row], strict=True))
+                    source = min(row, len(ids) - 1)
+                    result[node] = list(zip(ids[source], values[source], strict=True))
             return [result[node] for node in nodes]
 
         return expand
@@ -245,7 +254,7 @@ class HeadsDrafter:
         if heads.config.kind == "medusa":
             if depth not in medusa_states:
                 medusa_states[depth] = heads.medusa_state(depth, hidden)
-            return medusa_states[depth].expand(len(group), -1)
+            return medusa_states[depth].expand(len(group), -1)  # every node of a depth: same children
         if depth == 0:
             parents = hidden.expand(len(group), -1)
         else:

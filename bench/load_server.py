@@ -65,6 +65,7 @@ class Report:
     requests_per_s: float
     server_mean_accepted_length: float | None
     server_acceptance_rate: float | None
+    server_tokens_per_s: float | None  # while generating: the engine's own speed, without queueing
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -167,6 +168,7 @@ def summarise(outcomes: list[Outcome], requests: int, wall: float, cut: int, ser
         requests_per_s=round(len(done) / wall, 3) if wall > 0 else 0.0,
         server_mean_accepted_length=server.get("causaldraft_mean_accepted_length"),
         server_acceptance_rate=server.get("causaldraft_acceptance_rate"),
+        server_tokens_per_s=server.get("causaldraft_tokens_per_second"),
     )
 
 

@@ -3,7 +3,9 @@
 For each MT-bench prompt (first turn, chat template), float32 greedy-decodes ``--tokens`` tokens;
 every dtype then scores prompt + that continuation in one teacher-forced pass. Reported per dtype:
 mean KL(fp32 || dtype) over the continuation positions, and the greedy match rate (the share of
-positions where the dtype's argmax equals fp32's greedy token).
+positions where the dtype's argmax equals fp32's greedy token). ``int4-requantized`` quantizes the
+fp32 weights (themselves the GGUF's dequantized Q4_1) again with min/max groups of 32, to show
+what loading the Q4_1 blocks as they are saves.
 
     .venv/bin/python bench/quant_quality.py --prompts 10 --tokens 64
 """
@@ -19,10 +21,12 @@ import torch.nn.functional as F
 from causaldraft.api import load
 from causaldraft.bench.prompts import read_questions
 from causaldraft.models.base import Backend
-from causaldraft.models.loading import load_model
+from causaldraft.models.loading import load_model, resolve_model_dir
+from causaldraft.models.native import NativeLlama
+from causaldraft.models.quant import install_quantized, quantize_model_weights
 
 MT_BENCH = "/work/shared/data/bench/mt_bench_question.jsonl"
-DTYPES = ("float32", "bfloat16", "int8", "int4")
+DTYPES = ("float32", "bfloat16", "int8", "int4", "int4-requantized")
 
 
 def teacher_forced_logits(backend: Backend, tokens: list[int], first: int) -> torch.Tensor:
@@ -33,6 +37,18 @@ def teacher_forced_logits(backend: Backend, tokens: list[int], first: int) -> to
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     rows = torch.arange(first - 1, n)
     return backend.forward(inputs, torch.arange(n), mask, cache, rows).logits.float()
+
+
+def load_backend(reference: Backend, model: str, dtype: str) -> Backend:
+    """``int4-requantized``: min/max int4 from the fp32 weights, ignoring the GGUF's Q4_1 blocks."""
+    if dtype == "float32":
+        return reference
+    if dtype != "int4-requantized":
+        return load_model(model, "native", dtype).backend
+    model_dir = resolve_model_dir(model)
+    assert isinstance(reference, NativeLlama)
+    weights = quantize_model_weights(reference, "int4")
+    return install_quantized(NativeLlama.from_pretrained(model_dir, torch.bfloat16), weights)
 
 
 def main() -> int:
@@ -56,7 +72,7 @@ def main() -> int:
     print("|---|---|---|---|")
     for dtype in DTYPES:
         started = time.perf_counter()
-        backend = reference.model.backend if dtype == "float32" else load_model(args.model, "native", dtype).backend
+        backend = load_backend(reference.model.backend, args.model, dtype)
         kl_sum, matches = 0.0, 0
         for (tokens, first), target_logits in zip(sequences, reference_logits, strict=True):
             logits = teacher_forced_logits(backend, tokens, first)  # [m, vocab]

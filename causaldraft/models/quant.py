@@ -130,6 +130,15 @@ def int4_supported(out_features: int, in_features: int, group_size: int = GROUP_
 # ---------------------------------------------------------------- modules
 
 
+def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """[..., in] activations -> [m, in] contiguous bfloat16, as the kernels expect."""
+    if x.dim() != 2:
+        x = x.reshape(-1, in_features)
+    if x.dtype != ACTIVATION_DTYPE:
+        x = x.to(ACTIVATION_DTYPE)
+    return x.contiguous()
+
+
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale).T + bias`` with bfloat16 activations."""
 
@@ -151,11 +160,11 @@ class Int8Linear(nn.Module):
         return (self.qweight.float() * self.scales.float()[:, None]).to(ACTIVATION_DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)  # [m, in]
+        rows = as_rows(x, self.in_features)  # [m, in]
         out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [m, out]
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -176,13 +185,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(ACTIVATION_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)  # [m, in]
+        rows = as_rows(x, self.in_features)  # [m, in]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, self.group_size, self.scales_and_zeros
         )  # [m, out]
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] as the kernel sees it (multiplying the identity), float32."""

@@ -19,12 +19,21 @@ class KVCache:
     """
 
     def __init__(
-        self, num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        capacity: int | None = None,
     ) -> None:
+        """``max_len`` entries may be committed; buffers hold ``capacity`` >= max_len slots (the
+        compiled backend writes padding rows past the real ones)."""
         self.max_len = max_len
         self.length = 0
-        self.keys = [torch.zeros(kv_heads, max_len, head_dim, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(kv_heads, max_len, head_dim, dtype=dtype) for _ in range(num_layers)]
+        size = max(capacity or max_len, max_len)
+        self.keys = [torch.zeros(kv_heads, size, head_dim, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(kv_heads, size, head_dim, dtype=dtype) for _ in range(num_layers)]
 
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.max_len:
@@ -39,6 +48,7 @@ class KVCache:
         """Write new entries at [length, length + n) and return views over [0, length + n).
 
         keys, values: [kv_heads, n, head_dim] -> returned views [kv_heads, length + n, head_dim]
+        (the native backend writes the same slots with index_copy_ inside its forward)
         """
         end = self.length + keys.shape[1]
         self.keys[layer][:, self.length : end] = keys

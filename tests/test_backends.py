@@ -148,3 +148,15 @@ def test_unknown_dtype_and_backend_are_clear_errors(tiny_llama_dir: Path) -> Non
         load_model(str(tiny_llama_dir), dtype="float8")
     with pytest.raises(CausalDraftError, match="backend"):
         load_model(str(tiny_llama_dir), backend="onnx", dtype="float32")
+
+
+@pytest.mark.slow
+def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: Path) -> None:
+    import causaldraft
+
+    plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
+    expected = plain.generate("hello world hello world", max_new_tokens=20).token_ids
+    loaded = load_model(str(tiny_llama_dir), "native", "float32")
+    loaded.backend.compile(buckets=(1, 4, 32))  # type: ignore[attr-defined]
+    spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
+    assert spec.generate("hello world hello world", max_new_tokens=20).token_ids == expected

@@ -6,6 +6,7 @@ Hugging Face checkpoint directory (config.json + *.safetensors) without transfor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import ForwardOutput, ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+COMPILE_BUCKETS = (1, 4, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,10 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [n, hidden]
         cos: torch.Tensor,  # [n, head_dim]
         sin: torch.Tensor,  # [n, head_dim]
-        mask: torch.Tensor,  # [n, length + n] bool
-        cache: KVCache,
-        layer: int,
+        mask: torch.Tensor,  # [n, span] bool over cache slots [0, span)
+        keys_buffer: torch.Tensor,  # [kvh, capacity, hd]
+        values_buffer: torch.Tensor,  # [kvh, capacity, hd]
+        slots: torch.Tensor,  # [n] cache slots the new entries are written to
     ) -> torch.Tensor:
         n = x.shape[0]
         hd = self.shape.head_dim
@@ -113,9 +116,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.shape.kv_heads, hd).transpose(0, 1)  # [kvh, n, hd]
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        keys, values = cache.write_layer(layer, k, v)  # [kvh, length + n, hd]
+        keys_buffer.index_copy_(1, slots, k)
+        values_buffer.index_copy_(1, slots, v)
+        span = mask.shape[1]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
+            q.unsqueeze(0),
+            keys_buffer[:, :span].unsqueeze(0),
+            values_buffer[:, :span].unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=True,
         )  # [1, nh, n, hd]
         return self.o_proj(out[0].transpose(0, 1).reshape(n, self.shape.num_heads * hd))
 
@@ -160,6 +169,8 @@ class NativeLlama(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
+        self.compiled_body: Callable[..., torch.Tensor] | None = None
+        self.buckets: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:  # type: ignore[override]
@@ -203,10 +214,6 @@ class NativeLlama(nn.Module):
         draft.inv_freq = self.inv_freq
         return draft.eval()
 
-    def new_cache(self, max_len: int) -> KVCache:
-        s = self.llama_shape
-        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype)
-
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, hd/2]
         angles = torch.cat((angles, angles), dim=-1)  # [n, hd]
@@ -220,6 +227,41 @@ class NativeLlama(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
+    def body(
+        self,
+        tokens: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        mask: torch.Tensor,  # [n, span] bool
+        slots: torch.Tensor,  # [n]
+        keys: list[torch.Tensor],  # per layer [kvh, capacity, hd]
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Embeddings through the layers and the final norm: hidden states [n, hidden]."""
+        x = self.embed_tokens(tokens)  # [n, hidden]
+        cos, sin = self.rope(positions)
+        for index, layer in enumerate(self.layers):
+            attn_in = layer.input_layernorm(x)
+            x = x + layer.self_attn(attn_in, cos, sin, mask, keys[index], values[index], slots)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def compile(self, buckets: tuple[int, ...] = COMPILE_BUCKETS) -> None:  # type: ignore[override]
+        """Compile ``body`` with torch.compile (inductor, frozen weights). New-token counts are
+        padded up to ``buckets`` and attention spans the whole cache buffer, so shapes are static."""
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
+        self.buckets = tuple(sorted(buckets))
+        self.compiled_body = torch.compile(self.body, dynamic=False)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        s = self.llama_shape
+        if self.compiled_body is None:
+            return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype)
+        # static buffer sizes (multiples of 256) with room for a padded bucket beyond max_len
+        capacity = -(-(max_len + max(self.buckets)) // 256) * 256
+        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
+
     def forward(  # type: ignore[override]
         self,
         tokens: torch.Tensor,  # [n]
@@ -230,16 +272,38 @@ class NativeLlama(nn.Module):
     ) -> ForwardOutput:
         n = tokens.shape[0]
         cache.check_room(n)
-        x = self.embed_tokens(tokens)  # [n, hidden]
-        cos, sin = self.rope(positions)
-        for index, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        bucket = next((size for size in self.buckets if size >= n), None) if self.compiled_body else None
+        with torch.no_grad():
+            if bucket is None or self.compiled_body is None:
+                slots = torch.arange(cache.length, cache.length + n)
+                hidden = self.body(tokens, positions, mask, slots, cache.keys, cache.values)
+            else:
+                hidden = self.compiled_body(*pad_to_bucket(tokens, positions, mask, cache, bucket))[:n]
         cache.append(n)
-        hidden = self.norm(x)  # [n, hidden]
         scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         logits = self.lm_head(scored).float()  # [m, vocab]
         return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def pad_to_bucket(
+    tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache, bucket: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Pad n new tokens to ``bucket`` rows and the mask to the whole cache buffer.
+
+    Padding rows write scratch entries just past the real ones (never committed) and attend to
+    slot 0 only, so no row is fully masked.
+    """
+    n, span = mask.shape
+    capacity = cache.keys[0].shape[1]
+    padded_tokens = torch.zeros(bucket, dtype=torch.long)
+    padded_tokens[:n] = tokens
+    padded_positions = torch.zeros(bucket, dtype=torch.long)
+    padded_positions[:n] = positions
+    padded_mask = torch.zeros(bucket, capacity, dtype=torch.bool)  # [bucket, capacity]
+    padded_mask[:n, :span] = mask
+    padded_mask[n:, 0] = True
+    slots = torch.arange(cache.length, cache.length + bucket)
+    return padded_tokens, padded_positions, padded_mask, slots, cache.keys, cache.values
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

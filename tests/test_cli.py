@@ -1,0 +1,69 @@
+"""The CLI contract: JSON output, streaming, show-tree, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from causaldraft.cli import main
+
+
+def test_generate_json_contract(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["generate", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
+                 "--dtype", "float32", "--max-new-tokens", "12", "--json", "--drafter", "lookup"])  # fmt: skip
+    assert code == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert set(payload) >= {"text", "token_ids", "stats"}
+    assert len(payload["token_ids"]) == 12
+    assert set(payload["stats"]) >= {"new_tokens", "target_forwards", "mean_accepted", "wall_s", "tokens_per_s"}
+    assert payload["stats"]["new_tokens"] == 12
+    assert payload["stats"]["mean_accepted"] == pytest.approx(12 / payload["stats"]["target_forwards"], abs=1e-3)
+
+
+def test_generate_stream_prints_the_same_text(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["generate", "--prompt", "abcabc", "--model", str(tiny_llama_dir), "--dtype", "float32",
+              "--max-new-tokens", "10"]  # fmt: skip
+    assert main([*common, "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert main([*common, "--stream"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
+def test_chat_flag_applies_the_template(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt", "hi", "--chat", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                 "--max-new-tokens", "3", "--json"]) == 0  # fmt: skip
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+
+
+def test_show_tree_prints_tree_mask_and_png(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "mask.png"
+    assert main(["show-tree", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
+                 "--dtype", "float32", "--drafter", "draft", "--draft-layers", "2", "--tree", "static",
+                 "--png", str(png)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "attention mask" in out and "[0]" in out and "paths" in out
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--temperature", "-1"], "temperature"), (["--max-new-tokens", "0"], "max_new_tokens"),
+     (["--drafter", "oracle"], "unknown drafter"), (["--top-p", "2"], "top_p")],
+)  # fmt: skip
+def test_bad_input_is_one_clear_line(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+    code = main(["generate", "--prompt", "x", "--model", str(tiny_llama_dir), "--dtype", "float32", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
+
+
+def test_missing_model_from_a_real_process_is_one_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "causaldraft.cli", "generate", "--prompt", "x", "--model",
+                             str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("causaldraft: error:")
+    assert "Traceback" not in result.stderr

@@ -34,7 +34,9 @@ def time_causaldraft(engine: causaldraft.Engine, prompts: list[list[int]], max_n
     return time.perf_counter() - started, tokens
 
 
-def time_transformers(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int]:
+def time_transformers(
+    model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[float, int]:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
     tokens, started = 0, time.perf_counter()

@@ -165,6 +165,14 @@ class TextTracker:
         return self.take(final=True)
 
 
+def compile_backend(target: LoadedModel) -> None:
+    compiler = getattr(target.backend, "compile", None)
+    if compiler is None or not hasattr(target.backend, "compiled_body"):
+        raise CausalDraftError("--compile needs the native backend")
+    if target.backend.compiled_body is None:  # type: ignore[attr-defined]
+        compiler()
+
+
 def load(
     model: str = "default",
     dtype: str = "bfloat16",
@@ -182,6 +190,7 @@ def load(
     draft_layers: int = 4,
     heads: str | None = None,
     lookup_merge: bool = True,
+    compile: bool = False,
     loaded: LoadedModel | None = None,
 ) -> Engine:
     """Load a target model and a drafter into an engine.
@@ -197,6 +206,8 @@ def load(
     )
     decode_config = DecodeConfig(acceptance=acceptance, adapt=adapt, fallback=fallback and drafter != "none")
     target = loaded or load_model(model, backend, dtype)
+    if compile:
+        compile_backend(target)
     options = DrafterOptions(draft_model=draft_model, draft_layers=draft_layers, heads=heads, lookup_merge=lookup_merge)
     chosen = build_drafter(drafter, target, options, dtype)
     if calibrate:

@@ -42,9 +42,7 @@ class KVCache:
                 f"context of {self.max_len} tokens"
             )
 
-    def write_layer(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new entries at [length, length + n) and return views over [0, length + n).
 
         keys, values: [kv_heads, n, head_dim] -> returned views [kv_heads, length + n, head_dim]

@@ -15,6 +15,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a local HF checkpoint directory or a .gguf file")
     parser.add_argument("--backend", choices=BACKENDS, default="native")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the native forward (slow start)")
 
 
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
@@ -38,6 +39,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "model": args.model,
         "backend": args.backend,
         "dtype": args.dtype,
+        "compile": args.compile,
         "drafter": args.drafter,
         "tree": args.tree,
         "depth": args.depth,

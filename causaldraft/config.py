@@ -70,9 +70,7 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
-            raise CausalDraftError(
-                f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}"
-            )
+            raise CausalDraftError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
         if self.reprobe_every < 1:
             raise CausalDraftError("reprobe_every must be >= 1")
 

@@ -4,6 +4,7 @@ causality (each row may see only the prefix, itself and its ancestors)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from causaldraft.decode import draft_step, prefill
 from causaldraft.tree import Tree, compile_tree
 
 
-def render_tree(tree: Tree, scores: tuple[float, ...], decode: callable) -> str:  # type: ignore[valid-type]
+def render_tree(tree: Tree, scores: tuple[float, ...], decode: Callable[[list[int]], str]) -> str:
     """Indented tree: one node per line with index, token, text and draft score."""
     lines: list[str] = []
 

@@ -118,9 +118,7 @@ def static_branching(depth: int, width: int) -> list[int]:
     return [width, max(1, width - 1)][:depth] + [1] * max(0, depth - 2)
 
 
-def build_tree(
-    kind: str, root: int, expand: Expander, depth: int, width: int, max_nodes: int
-) -> TreeDraft:
+def build_tree(kind: str, root: int, expand: Expander, depth: int, width: int, max_nodes: int) -> TreeDraft:
     """Grow a chain, static or dynamic tree with a drafter's expander.
 
     chain: the top candidate at each depth. static: a fixed branching (static_branching).

@@ -107,9 +107,7 @@ def verify_naive(tree: Tree, target_probs: torch.Tensor, generator: torch.Genera
     while True:
         probs = target_probs[node]
         drawn = sample(probs, generator)
-        accepted_child = next(
-            (child for child in children[node] if probs[tree.tokens[child]] >= probs[drawn]), None
-        )
+        accepted_child = next((child for child in children[node] if probs[tree.tokens[child]] >= probs[drawn]), None)
         if accepted_child is None:
             accepted = [tree.tokens[index] for index in path[1:]]
             return Acceptance(tuple(path), (*accepted, drawn), not children[node])

@@ -26,9 +26,7 @@ def run_prefix_and_tree(backend: Backend, tree: Tree) -> tuple[torch.Tensor, tor
         torch.tensor(PREFIX), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache
     )
     compiled = compile_tree(tree)
-    tree_out = backend.forward(
-        torch.tensor(tree.tokens), compiled.depths + n, full_mask(compiled, n), cache
-    )
+    tree_out = backend.forward(torch.tensor(tree.tokens), compiled.depths + n, full_mask(compiled, n), cache)
     return prefix_out.logits, tree_out.logits
 
 

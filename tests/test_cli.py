@@ -39,7 +39,9 @@ def test_chat_flag_applies_the_template(tiny_llama_dir: Path, capsys: pytest.Cap
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
 
 
-def test_show_tree_prints_tree_mask_and_png(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_tree_prints_tree_mask_and_png(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     png = tmp_path / "mask.png"
     assert main(["show-tree", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
                  "--dtype", "float32", "--drafter", "draft", "--draft-layers", "2", "--tree", "static",
@@ -54,7 +56,9 @@ def test_show_tree_prints_tree_mask_and_png(tiny_llama_dir: Path, tmp_path: Path
     [(["--temperature", "-1"], "temperature"), (["--max-new-tokens", "0"], "max_new_tokens"),
      (["--drafter", "oracle"], "unknown drafter"), (["--top-p", "2"], "top_p")],
 )  # fmt: skip
-def test_bad_input_is_one_clear_line(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
+def test_bad_input_is_one_clear_line(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
     code = main(["generate", "--prompt", "x", "--model", str(tiny_llama_dir), "--dtype", "float32", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2

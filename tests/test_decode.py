@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import causaldraft
 from causaldraft.api import Engine
+from causaldraft.config import SamplingConfig
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import warp_probs
-from causaldraft.config import SamplingConfig
 
 PROMPTS = ["hello world hello world", "the cat sat on the mat. the cat", "abcabcabc"]
 DRAFTERS = ["lookup", "draft"]
@@ -77,16 +77,19 @@ def test_plain_greedy_matches_transformers_generate(tiny_llama_dir: Path) -> Non
         assert plain.generate(prompt, max_new_tokens=30).token_ids == expected.tolist()
 
 
-def test_eos_accepted_mid_block_ends_the_output_there(tiny_llama_dir: Path, plain_outputs: dict[str, list[int]]) -> None:
+def test_eos_accepted_mid_block_ends_the_output_there(
+    tiny_llama_dir: Path, plain_outputs: dict[str, list[int]]
+) -> None:
     reference = plain_outputs[PROMPTS[0]]
     eos = reference[7]
     cut = reference.index(eos) + 1
-    spec = engine(tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree="chain", depth=6, fallback=False, adapt=False)
+    spec = engine(
+        tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree="chain", depth=6, fallback=False, adapt=False
+    )
     spec.decoder = dataclasses.replace(spec.decoder, eos_token_ids=frozenset({eos}))
     result = spec.generate(PROMPTS[0], max_new_tokens=48)
     assert result.token_ids == reference[:cut]
     assert result.finish_reason == "stop"
-    last = result.stats.steps[-1]
     assert sum(min(s.accepted + 1, 48) for s in result.stats.steps) > cut  # the last block went past EOS
 
 
@@ -185,7 +188,9 @@ def exact_law(directory: Path, prompt_ids: list[int], sampling: SamplingConfig) 
     def next_probs(tokens: list[int]) -> torch.Tensor:
         cache = model.new_cache(len(tokens))
         n = len(tokens)
-        logits = model.forward(torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache).logits
+        logits = model.forward(
+            torch.tensor(tokens), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache
+        ).logits
         return warp_probs(logits[-1], sampling)
 
     first = next_probs(prompt_ids)

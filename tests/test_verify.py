@@ -93,7 +93,9 @@ def p_value(counts: Counter[tuple[int, int]]) -> float:
 
 
 def lossless(mode: str) -> Verifier:
-    def run(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    def run(
+        tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator
+    ) -> Acceptance:
         return verify_sampled(tree, target_probs, None if mode == "deterministic" else draft_probs, mode, generator)
 
     return run
@@ -105,7 +107,9 @@ def test_tree_sampling_matches_the_exact_target_law(mode: str) -> None:
 
 
 def test_chain_sampling_matches_the_exact_target_law() -> None:
-    def chain_run(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    def chain_run(
+        tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator
+    ) -> Acceptance:
         # keep only the first child at each level: a chain drawn from the drafter
         first = [0, 1, 3] if tree.parents[3] == 1 else [0, 1]
         chain = Tree.chain([tree.tokens[i] for i in first])
@@ -115,7 +119,9 @@ def test_chain_sampling_matches_the_exact_target_law() -> None:
 
 
 def test_naive_rule_is_biased() -> None:
-    def naive(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    def naive(
+        tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator
+    ) -> Acceptance:
         return verify_naive(tree, target_probs, generator)
 
     assert p_value(two_tokens(naive, "deterministic", seed=3)) < P_VALUE_FLOOR
@@ -124,7 +130,9 @@ def test_naive_rule_is_biased() -> None:
 def test_ignoring_the_residual_update_across_siblings_is_biased() -> None:
     """Trying the next sibling against the unchanged target probabilities (DESIGN.md) is caught."""
 
-    def no_residual(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    def no_residual(
+        tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator
+    ) -> Acceptance:
         node, path = 0, [0]
         while True:
             children = [c for c in range(tree.size) if tree.parents[c] == node]

@@ -24,9 +24,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     inner = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     inner.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

@@ -60,9 +60,7 @@ class DraftModelDrafter:
                 self.feed(tree, pending, slot_of, probs_of, base, context.sampling)
             return [self.candidates(probs_of[node], context, sampled) for node in nodes]
 
-        draft = build_tree(
-            context.tree_kind, tokens[-1], expand, context.depth, context.width, context.max_nodes
-        )
+        draft = build_tree(context.tree_kind, tokens[-1], expand, context.depth, context.width, context.max_nodes)
         self.cache.rollback(base)
         if not sampled:
             return Draft.from_tree_draft(draft)

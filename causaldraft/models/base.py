@@ -28,6 +28,8 @@ class Cache(Protocol):
     length: int
     max_len: int
 
+    def append(self, new_tokens: int) -> None: ...
+
     def commit(self, slots: list[int], start: int) -> None: ...
 
     def rollback(self, length: int) -> None: ...
@@ -36,8 +38,11 @@ class Cache(Protocol):
 
 
 class Backend(Protocol):
-    shape: ModelShape
-    dtype: torch.dtype
+    @property
+    def shape(self) -> ModelShape: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def new_cache(self, max_len: int) -> Cache: ...
 

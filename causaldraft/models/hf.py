@@ -8,12 +8,13 @@ and as the parity reference.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import ForwardOutput, ModelShape
+from causaldraft.models.base import Cache, ForwardOutput, ModelShape
 
 
 class HFCache:
@@ -31,9 +32,16 @@ class HFCache:
                 f"context of {self.max_len} tokens"
             )
 
+    def append(self, new_tokens: int) -> None:
+        self.check_room(new_tokens)
+        self.length += new_tokens
+
     def commit(self, slots: list[int], start: int) -> None:
         index = torch.tensor(list(range(start)) + slots, dtype=torch.long)
-        for layer in self.inner.layers:
+        for cache_layer in self.inner.layers:
+            layer = cast(Any, cache_layer)  # a full-attention DynamicLayer with keys/values
+            if layer.keys is None or layer.values is None:
+                continue
             layer.keys = layer.keys.index_select(-2, index)  # [1, kvh, length, hd]
             layer.values = layer.values.index_select(-2, index)
         self.length = start + len(slots)
@@ -54,7 +62,7 @@ class HFBackend:
             hidden_size=int(config.hidden_size),
             num_layers=int(config.num_hidden_layers),
             max_positions=int(
-                getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+                getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
             ),
         )
         self.dtype = next(model.parameters()).dtype
@@ -81,9 +89,11 @@ class HFBackend:
         tokens: torch.Tensor,  # [n]
         positions: torch.Tensor,  # [n]
         mask: torch.Tensor,  # [n, cache.length + n] bool
-        cache: HFCache,
+        cache: Cache,
         logits_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
+        if not isinstance(cache, HFCache):
+            raise TypeError("the hf backend needs its own HFCache (new_cache)")
         n = tokens.shape[0]
         cache.check_room(n)
         out = self.model(
@@ -94,7 +104,7 @@ class HFBackend:
             use_cache=True,
             output_hidden_states=True,
         )
-        cache.length += n
+        cache.append(n)
         hidden = out.hidden_states[-1][0]  # [n, hidden]
         logits = out.logits[0].float()  # [n, vocab]
         if logits_rows is not None:

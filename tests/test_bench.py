@@ -10,7 +10,7 @@ import pytest
 from causaldraft.bench.harness import BenchConfig, BenchRun, answer_turns, run_bench
 from causaldraft.bench.methods import EngineOptions, MethodOutput, RunSettings, cut_at_eos, parse_method, parse_methods
 from causaldraft.bench.prompts import Question, read_questions
-from causaldraft.bench.report import write_outputs
+from causaldraft.bench.report import first_difference, write_outputs
 from causaldraft.cli import main
 from causaldraft.errors import CausalDraftError
 
@@ -102,6 +102,9 @@ def test_steps_jsonl(bench: tuple[Path, dict, BenchRun]) -> None:
         assert sum(line["accepted"] + 1 for line in steps) >= results["methods"][name]["new_tokens"]
     assert {line["question"] for line in lines} == {"81", "111"}
     assert not [line for line in lines if line["method"] == "hf"]
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(outputs) == 3 * 5  # three turns for each method that ran
+    assert all(line["first_difference_vs_ar"] is None for line in outputs if line["method"] in LOSSLESS)
 
 
 def test_report_and_plots_exist(bench: tuple[Path, dict, BenchRun]) -> None:
@@ -140,6 +143,8 @@ def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "does not exist" in capsys.readouterr().err
     prompts = write_prompts(tmp_path / "questions.jsonl")
     assert main(["bench", "--prompts", str(prompts), "--methods", "ar", "--repeats", "0"]) == 2
+    assert main(["bench", "--prompts", str(prompts), "--methods", "ar", "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
 
 
 def test_multi_turn_feeds_the_methods_own_answer(tiny_llama_dir: Path) -> None:
@@ -177,6 +182,12 @@ def test_parse_method() -> None:
             parse_method(bad)
     assert parse_methods("ar, lookup,,ar") == ["ar", "lookup"]
     assert cut_at_eos([5, 2, 7], 2) == (5, 2) and cut_at_eos([5, 7], 2) == (5, 7)
+
+
+def test_first_difference() -> None:
+    assert first_difference((1, 2, 3), (1, 2, 3)) is None
+    assert first_difference((1, 5, 3), (1, 2, 3)) == 1
+    assert first_difference((1, 2), (1, 2, 3)) == 2
 
 
 def test_read_questions(tmp_path: Path) -> None:

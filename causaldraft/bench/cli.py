@@ -33,6 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     bench.add_argument("--profile", action="store_true", help="also sweep the tree budget of tree methods")
     bench.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), help="budgets for --profile")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    threads = "torch CPU threads (default: torch's); 1 is far faster on an oversubscribed machine"
+    bench.add_argument("--threads", type=int, default=None, help=threads)
     bench.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
     bench.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
     bench.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
@@ -71,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
     from causaldraft.bench.report import write_outputs
 
     config = config_from_args(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CausalDraftError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     bench_run = run_bench(config, progress=not args.no_progress)
     results = write_outputs(bench_run, args.out)
     methods = results["methods"]

@@ -88,6 +88,29 @@ def write_steps(run: BenchRun, path: Path) -> None:
                 file.write(json.dumps(line) + "\n")
 
 
+def first_difference(tokens: tuple[int, ...], reference: tuple[int, ...]) -> int | None:
+    """Index of the first token that differs from the reference (None when identical)."""
+    for index, (token, other) in enumerate(zip(tokens, reference, strict=False)):
+        if token != other:
+            return index
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def write_outputs_jsonl(run: BenchRun, path: Path) -> None:
+    """Each method's tokens per turn (first repeat), with where they first differ from ar's."""
+    reference = {(r.question_id, r.turn): r.output.token_ids for r in run.records if r.method == "ar" and r.repeat == 0}
+    with path.open("w", encoding="utf-8") as file:
+        for record in run.records:
+            if record.repeat != 0:
+                continue
+            expected = reference.get((record.question_id, record.turn))
+            line = {"method": record.method, "question": record.question_id, "category": record.category,
+                    "turn": record.turn, "token_ids": list(record.output.token_ids),
+                    "first_difference_vs_ar": None if expected is None
+                    else first_difference(record.output.token_ids, expected)}  # fmt: skip
+            file.write(json.dumps(line) + "\n")
+
+
 def cell(value: object) -> str:
     if value is None:
         return "–"
@@ -149,6 +172,7 @@ def write_outputs(run: BenchRun, out_dir: str | Path) -> dict[str, object]:
         results["profile"] = {name: {str(b): values for b, values in per.items()} for name, per in run.profile.items()}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     write_steps(run, out / "steps.jsonl")
+    write_outputs_jsonl(run, out / "outputs.jsonl")
     plots = [
         plot_speedups(summary, out / "speedup_by_category.png"),
         plot_accepted_lengths(run.records, out / "accepted_lengths.png"),

@@ -138,7 +138,9 @@ def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling
     if draft.tree.size <= 2 or not (decoder.decode.adapt and adapt.timed) or draft.child_mode != "deterministic":
         return draft
     ranked = sorted(draft.scores[1:], reverse=True)
-    budget = choose_budget(ranked, adapt, decoder.cost, decoder.tree.max_nodes)
+    # At least one draft node stays: whether speculating pays at all is the fallback's decision,
+    # which needs the acceptance of real drafts (a root-only tree would pay the draft for nothing).
+    budget = max(2, choose_budget(ranked, adapt, decoder.cost, decoder.tree.max_nodes))
     if budget >= draft.tree.size:
         return draft
     tree = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), budget)

@@ -57,8 +57,8 @@ def main() -> None:
             options["heads"] = str(Path(args.heads_root) / str(options["drafter"]))
         engine = load(loaded=target, **options)  # type: ignore[arg-type]
         engine.generate(prompts[0], max_new_tokens=16, chat=True)  # warm-up
-        tokens = forwards = 0
-        wall = 0.0
+        tokens = forwards = speculated = nodes = 0
+        wall = draft = 0.0
         outputs = []
         started = time.perf_counter()
         for prompt in prompts:
@@ -66,6 +66,9 @@ def main() -> None:
             tokens += result.stats.new_tokens
             forwards += result.stats.target_forwards
             wall += result.stats.wall_s
+            speculated += sum(step.speculated and step.nodes > 1 for step in result.stats.steps)
+            nodes += sum(step.nodes for step in result.stats.steps)
+            draft += sum(step.draft_s for step in result.stats.steps)
             outputs.append(result.token_ids)
         results[name] = {
             "method": name,
@@ -73,6 +76,9 @@ def main() -> None:
             "tokens_per_s": round(tokens / wall, 2),
             "new_tokens": tokens,
             "seconds": round(time.perf_counter() - started, 1),
+            "speculative_steps": round(speculated / forwards, 3),
+            "mean_nodes": round(nodes / forwards, 2),
+            "draft_ms_per_step": round(1000 * draft / forwards, 2),
             "outputs": outputs,
         }
         print(json.dumps({k: v for k, v in results[name].items() if k != "outputs"}), flush=True)

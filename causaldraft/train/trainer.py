@@ -151,7 +151,7 @@ def train(
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         optimizer.step()
         history.append(float(loss.detach()))
-        progress.set_postfix(loss=round(float(loss), 3), first=round(per_head[0], 3))
+        progress.set_postfix(loss=round(history[-1], 3), first=round(per_head[0], 3))
         done = step + 1
         if checkpoint is not None and (done % config.checkpoint_every == 0 or done == config.steps):
             state = {"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),

@@ -10,7 +10,7 @@ import torch
 
 from causaldraft.api import load
 from causaldraft.cli import main
-from causaldraft.drafters.heads import HeadsConfig, load_heads, new_heads
+from causaldraft.drafters.heads import HeadsConfig, base_fingerprint, load_heads, new_heads
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
 from causaldraft.train.data import cut_at_eos, mix_prompts, read_prompts
@@ -88,8 +88,8 @@ def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_
     vocab_ids = draft_vocabulary(train_set, shape.vocab_size, 128)
     embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
     for kind in ("markov", "medusa"):
-        heads = new_heads(HeadsConfig(kind, 3, shape.hidden_size, shape.vocab_size, 128, tiny.fingerprint),
-                          vocab_ids, tiny.backend.lm_head_weight())  # fmt: skip
+        config = HeadsConfig(kind, 3, shape.hidden_size, shape.vocab_size, 128, base_fingerprint(tiny.backend))
+        heads = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
         before = evaluate(heads, eval_set, embed)
         history = train(heads, train_set, embed, TrainConfig(steps=60, batch_size=128, warmup=5))
         after = evaluate(heads, eval_set, embed)
@@ -105,7 +105,7 @@ def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_
     shape = tiny.backend.shape
     vocab_ids = draft_vocabulary(features, shape.vocab_size, 128)
     embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
-    config = HeadsConfig("markov", 2, shape.hidden_size, shape.vocab_size, 128, tiny.fingerprint)
+    config = HeadsConfig("markov", 2, shape.hidden_size, shape.vocab_size, 128, base_fingerprint(tiny.backend))
     straight = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
     full = train(straight, features, embed, TrainConfig(steps=8, batch_size=32, autocast=False))
     resumed = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
@@ -123,7 +123,7 @@ def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_
 def test_trained_heads_keep_greedy_output(trained: dict[str, Path], tiny_llama_dir: Path, kind: str, tree: str) -> None:
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
     config = json.loads((trained[kind] / "heads_config.json").read_text())
-    assert config["fingerprint"] == tiny.fingerprint and config["training"]["steps"] == 40
+    assert config["fingerprint"] == base_fingerprint(tiny.backend) and config["training"]["steps"] == 40
     plain = load(loaded=tiny, drafter="none", calibrate=False)
     engine = load(loaded=tiny, drafter=kind, tree=tree, heads=str(trained[kind]), lookup_merge=False,
                   calibrate=False, fallback=False)  # fmt: skip
@@ -131,5 +131,5 @@ def test_trained_heads_keep_greedy_output(trained: dict[str, Path], tiny_llama_d
         expected = plain.generate(prompt, max_new_tokens=40).token_ids
         result = engine.generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected
-    heads = load_heads(trained[kind], tiny.backend, tiny.fingerprint, kind)
+    heads = load_heads(trained[kind], tiny.backend, kind)
     assert heads.config.num_heads == 3

@@ -20,6 +20,7 @@ head 2 on it ranks "sat". A node at depth K gets no children.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +49,24 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int  # the target's full vocabulary
     draft_vocab: int  # V'
-    fingerprint: str  # LoadedModel.fingerprint of the base model
+    fingerprint: str  # base_fingerprint of the base model
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise CausalDraftError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
         if self.num_heads < 1 or self.hidden_size < 1 or not 1 <= self.draft_vocab <= self.vocab_size:
             raise CausalDraftError(f"invalid heads sizes: {self}")
+
+
+def base_fingerprint(backend: Backend) -> str:
+    """The base model's identity for pairing heads with it, independent of the load dtype: like
+    LoadedModel.fingerprint (equal to it for a bfloat16 load) but over the embeddings rounded to
+    bfloat16, so heads trained on a bf16 target also load on its float32 copy."""
+    weights = backend.embed(torch.arange(min(256, backend.shape.vocab_size))).to(torch.bfloat16).float()
+    digest = hashlib.sha256()
+    digest.update(repr(backend.shape).encode())
+    digest.update((weights * 1000).round().to(torch.int32).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def rms_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -136,9 +148,10 @@ def read_config(directory: Path) -> tuple[HeadsConfig, dict[str, object]]:
         raise CausalDraftError(f"corrupt heads config {path}: {error}") from error
 
 
-def load_heads(directory: Path, backend: Backend, fingerprint: str, kind: str | None = None) -> DraftHeads:
+def load_heads(directory: Path, backend: Backend, kind: str | None = None) -> DraftHeads:
     """Load trained heads for ``backend``; fail clearly on a kind or base-model mismatch."""
     config, _ = read_config(directory)
+    fingerprint = base_fingerprint(backend)
     if kind is not None and config.kind != kind:
         raise CausalDraftError(f"{directory} holds {config.kind} heads, not {kind} heads")
     if config.fingerprint != fingerprint or config.hidden_size != backend.shape.hidden_size:
@@ -293,10 +306,10 @@ def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ign
     else:
         directory = default_heads_dir(kind)
         shipped = (directory / CONFIG_FILE).is_file()
-        if not shipped or read_config(directory)[0].fingerprint != target.fingerprint:
+        if not shipped or read_config(directory)[0].fingerprint != base_fingerprint(target.backend):
             raise CausalDraftError(
                 f"no trained {kind} heads for this model; pass --heads DIR (see causaldraft train-heads) "
                 "or use --drafter lookup"
             )
-    heads = load_heads(directory, target.backend, target.fingerprint, kind)
+    heads = load_heads(directory, target.backend, kind)
     return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge)

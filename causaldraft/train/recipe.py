@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, new_heads, save_heads
+from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, base_fingerprint, new_heads, save_heads
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import causaldraft_home, load_model
 from causaldraft.train.data import GenerationConfig, generate_data
@@ -62,7 +62,7 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     vocab_size = backend.shape.vocab_size
     vocab_ids = draft_vocabulary(train_set, vocab_size, recipe.draft_vocab)
     config = HeadsConfig(recipe.kind, recipe.num_heads, backend.shape.hidden_size, vocab_size,
-                         int(vocab_ids.numel()), loaded.fingerprint)  # fmt: skip
+                         int(vocab_ids.numel()), base_fingerprint(backend))  # fmt: skip
     heads = new_heads(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
     with torch.inference_mode():
         embed = backend.embed(torch.arange(vocab_size)).float()  # [vocab, hidden]

@@ -46,6 +46,7 @@ def main() -> None:
         "lookup": {"drafter": "lookup"},
         "markov:dynamic": {"drafter": "markov"},
         "medusa:dynamic": {"drafter": "medusa"},
+        "markov:fixed": {"drafter": "markov", "adapt": False, "fallback": False},
         # the ablation: fixed, equal budgets, no lookup merge, no fallback
         "markov:nolookup": {"drafter": "markov", "lookup_merge": False, "adapt": False, "fallback": False},
         "medusa:nolookup": {"drafter": "medusa", "lookup_merge": False, "adapt": False, "fallback": False},

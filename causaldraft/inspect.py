@@ -71,5 +71,6 @@ def show_tree(args: argparse.Namespace) -> None:
     print(render_mask(compiled.mask))
     print("\nroot-to-leaf paths:", [list(path) for path in compiled.paths])
     if args.png:
-        save_mask_png(compiled.mask, [decode([token]) for token in draft.tree.tokens], Path(args.png))
+        labels = [ascii(decode([token]))[1:-1] for token in draft.tree.tokens]
+        save_mask_png(compiled.mask, labels, Path(args.png))
         print(f"saved {args.png}")

@@ -122,7 +122,9 @@ def update_after_step(
     state.tokens_per_step = 0.8 * state.tokens_per_step + 0.2 * (accepted + 1)
     state.draft_seconds = 0.8 * state.draft_seconds + 0.2 * draft_seconds if state.probe_steps > 1 else draft_seconds
     if predicted > 0:
-        ratio = min(3.0, max(0.05, accepted / predicted))
+        # Capped at 1: one global factor cannot tell strong nodes from the weak tail, and inflating
+        # every score (e.g. when merged lookup paths outperform the heads) buys oversized trees.
+        ratio = min(1.0, max(0.05, accepted / predicted))
         state.score_calibration = 0.9 * state.score_calibration + 0.1 * ratio
     for depth in range(min(len(state.depth_hits), accepted + 1)):
         state.depth_hits[depth] = 0.9 * state.depth_hits[depth] + 0.1 * float(depth < accepted)

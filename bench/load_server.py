@@ -26,6 +26,7 @@ import httpx
 from causaldraft.cli import add_drafter_flags, add_model_flags, engine_options
 from causaldraft.errors import CausalDraftError
 from causaldraft.serve.cli import SERVE_DEFAULT_DRAFTER
+from causaldraft.serve.metrics import parse_metrics
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 PROMPTS = (
@@ -134,15 +135,6 @@ async def run_load(url: str, args: argparse.Namespace) -> Report:
         wall = time.perf_counter() - started
         server = parse_metrics((await client.get("/metrics")).text)
     return summarise(outcomes, args.requests, wall, len(pending), server)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def summarise(outcomes: list[Outcome], requests: int, wall: float, cut: int, server: dict[str, float]) -> Report:

@@ -19,9 +19,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
-    tree = TreeConfig()
     parser.add_argument("--drafter", default=default_drafter, help="none, lookup, draft, medusa, markov")
-    parser.add_argument("--tree", choices=TREE_KINDS, default=tree.kind)
+    parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind)
+    add_draft_options(parser)
+
+
+def add_draft_options(parser: argparse.ArgumentParser) -> None:
+    """Tree, acceptance and drafter options shared by every command that builds engines."""
+    tree = TreeConfig()
     parser.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
     parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
     parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")

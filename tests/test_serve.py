@@ -17,7 +17,7 @@ from causaldraft.api import Engine, StreamPiece, load
 from causaldraft.cli import build_parser
 from causaldraft.decode import GenerationStats
 from causaldraft.serve.app import create_app
-from causaldraft.serve.metrics import Metrics
+from causaldraft.serve.metrics import Metrics, parse_metrics
 from causaldraft.serve.server import BackgroundServer
 from causaldraft.serve.worker import Event, Failed, Finished, GenerationRequest, Job, Started, Worker
 from tests.tiny import save_tiny_llama
@@ -56,13 +56,7 @@ def client(server: BackgroundServer) -> openai.OpenAI:
 
 
 def metrics(server: BackgroundServer) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+    return parse_metrics(httpx.get(f"{server.url}/metrics").text)
 
 
 def wait_until(condition: Any, timeout_s: float = 60.0) -> None:

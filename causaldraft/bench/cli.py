@@ -8,15 +8,13 @@ import sys
 
 from causaldraft.bench.harness import DEFAULT_BUDGETS, BenchConfig
 from causaldraft.bench.methods import EngineOptions, parse_methods
-from causaldraft.cli import add_model_flags
-from causaldraft.config import ACCEPTANCE_RULES, TreeConfig
+from causaldraft.cli import add_draft_options, add_model_flags
 from causaldraft.errors import CausalDraftError
 
 DEFAULT_OUT = "bench-out"
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    tree = TreeConfig()
     bench = commands.add_parser("bench", help="compare methods on a Spec-Bench / MT-bench prompt file")
     bench.add_argument("--prompts", required=True, help="jsonl with question_id, category, turns")
     methods = "comma-separated: hf, hf-lookup, ar, llamacpp, lookup|draft|medusa|markov[:chain|static|dynamic]"
@@ -35,16 +33,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     threads = "torch CPU threads (default: torch's); 1 is far faster on an oversubscribed machine"
     bench.add_argument("--threads", type=int, default=None, help=threads)
-    bench.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
-    bench.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
-    bench.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
-    bench.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
-    bench.add_argument("--draft-model", default=None, help="local draft model path for draft methods")
-    bench.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
-    bench.add_argument("--heads", default=None, help="trained heads directory (markov/medusa)")
-    bench.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
-    bench.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
-    bench.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
+    add_draft_options(bench)
     bench.set_defaults(func=run)
 
 

@@ -187,7 +187,13 @@ class LlamaCppMethod:
         if len(prompt_ids) + settings.max_new_tokens > LLAMACPP_CONTEXT:
             raise CausalDraftError(f"llamacpp: prompt + max_new_tokens exceed its context of {LLAMACPP_CONTEXT}")
         self.llm.reset()  # no prompt-cache reuse between requests: every method prefills the whole prompt
-        sampler = {"temp": settings.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
+        sampler: dict[str, Any] = {
+            "temp": settings.temperature,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+        }
         tokens: list[int] = []
         started = time.perf_counter()
         for token in self.llm.generate(prompt_ids, **sampler):

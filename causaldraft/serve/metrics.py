@@ -85,3 +85,13 @@ def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]
 
 def format_value(value: float) -> str:
     return str(value) if isinstance(value, int) else repr(float(value))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name with labels: value} (comments skipped)."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples

@@ -77,7 +77,7 @@ def metrics(records: list[TurnRecord], hf: Totals | None, ar: Totals | None, ar_
         "speedup_vs_ar": ratio(total.tokens_per_s, ar.tokens_per_s if ar else None),
         "exact_match_vs_ar": exact_match(records, ar_records) if greedy and ar_records is not None else None,
         "new_tokens": total.new_tokens,
-        "wall_s": round(total.wall_s, 4),
+        "wall_s": round(total.wall_s, 6),
         "target_forwards": total.target_forwards,
         "turns": total.turns,
     }

@@ -1,10 +1,14 @@
 """Cost model and adaptation: how big a tree pays off, and when to stop speculating.
 
 t_verify(n) is measured on this machine (a short calibration at load, then refreshed from every
-step); the expected tokens per step of a tree is 1 + c * sum(node scores), with c the observed
-calibration of the drafter's scores. The loop keeps the node budget maximising
-E[tokens] / (t_verify(n) + t_draft) and falls back to plain decoding when even the best budget
-is predicted slower than one token per t_verify(1), re-probing periodically.
+step); the expected tokens per step of a tree pruned to n nodes is 1 + c_n * (sum of its node
+scores), where c_n is the observed calibration (accepted drafts / predicted) of the steps that ran
+at that budget class, or the global calibration c while a class is untried. A calibration per
+budget matters because drafters are over-confident in the tail: on MT-bench the 16 weakest nodes
+of a 32-node Markov tree added ~0.1 tokens per step while costing a third more verify time, which
+one global factor cannot see. The loop keeps the node budget maximising
+E[tokens] / (t_verify(n) + t_draft) and falls back to plain decoding when even the best budget is
+predicted slower than one token per t_verify(1), re-probing periodically.
 """
 
 from __future__ import annotations
@@ -23,11 +27,20 @@ BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 @dataclass
 class VerifyCost:
-    """Seconds of one target pass by number of new tokens, interpolated between measured sizes."""
+    """Seconds of one target pass by number of new tokens, interpolated between measured sizes.
+
+    ``buckets``: a compiled backend pads n new tokens up to the next bucket, so a pass costs what
+    its bucket costs (12 nodes cost a 16-row pass); sizes past the largest bucket run eagerly.
+    """
 
     seconds: dict[int, float] = field(default_factory=dict)
+    buckets: tuple[int, ...] = ()
+
+    def padded(self, nodes: int) -> int:
+        return next((size for size in self.buckets if size >= nodes), nodes)
 
     def __call__(self, nodes: int) -> float:
+        nodes = self.padded(nodes)
         sizes = sorted(self.seconds)
         if not sizes:
             return 1.0
@@ -40,6 +53,7 @@ class VerifyCost:
         return self.seconds[sizes[-1]] * nodes / sizes[-1]
 
     def update(self, nodes: int, seconds: float) -> None:
+        nodes = self.padded(nodes)
         key = min(self.seconds, key=lambda size: abs(size - nodes)) if self.seconds else nodes
         if key != nodes and abs(key - nodes) > max(1, nodes // 4):
             key = nodes
@@ -52,8 +66,10 @@ def measure_verify_cost(backend: Backend, max_nodes: int, context: int = 128, re
     cache = backend.new_cache(context + max(CALIBRATION_SIZES) + 1)
     prefix = torch.zeros(context, dtype=torch.long)
     backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
-    cost = VerifyCost()
-    for size in (s for s in CALIBRATION_SIZES if s <= max(max_nodes, 1)):
+    buckets = tuple(getattr(backend, "buckets", ()))
+    cost = VerifyCost(buckets=buckets)
+    sizes = sorted({cost.padded(size) for size in CALIBRATION_SIZES if size <= max(max_nodes, 1)})
+    for size in sizes:
         tokens = torch.zeros(size, dtype=torch.long)
         positions = torch.arange(context, context + size)
         mask = torch.ones(size, context + size, dtype=torch.bool).tril(context)
@@ -81,6 +97,7 @@ class AdaptState:
     failures: int = 0
     probe_steps: int = 0
     depth_hits: list[float] = field(default_factory=list)
+    budget_calibration: dict[int, float] = field(default_factory=dict)  # budget class -> its own calibration
     timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
 
 
@@ -88,11 +105,20 @@ def initial_adapt_state(tree: TreeConfig, timed: bool = True) -> AdaptState:
     return AdaptState(depth=tree.depth, width=tree.width, depth_hits=[0.5] * tree.depth, timed=timed)
 
 
+def budget_class(nodes: int) -> int:
+    """The candidate budget a tree of ``nodes`` nodes counts under (the smallest >= nodes)."""
+    return next((budget for budget in BUDGETS if budget >= nodes), nodes)
+
+
+def budget_calibration(state: AdaptState, budget: int) -> float:
+    return state.budget_calibration.get(budget_class(budget), state.score_calibration)
+
+
 def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int) -> int:
     """The node count maximising expected tokens per second, given scores sorted high to low."""
     best_nodes, best_rate = 1, 1.0 / cost(1)
     for budget in (b for b in BUDGETS if b <= min(max_nodes, len(scores) + 1)):
-        expected = 1.0 + state.score_calibration * sum(scores[: budget - 1])
+        expected = 1.0 + budget_calibration(state, budget) * sum(scores[: budget - 1])
         rate = expected / (cost(budget) + state.draft_seconds)
         if rate > best_rate:
             best_nodes, best_rate = budget, rate
@@ -126,6 +152,9 @@ def update_after_step(
         # every score (e.g. when merged lookup paths outperform the heads) buys oversized trees.
         ratio = min(1.0, max(0.05, accepted / predicted))
         state.score_calibration = 0.9 * state.score_calibration + 0.1 * ratio
+        key = budget_class(nodes)
+        own = max(0.05, min(2.0, accepted / predicted))
+        state.budget_calibration[key] = 0.9 * state.budget_calibration.get(key, state.score_calibration) + 0.1 * own
     for depth in range(min(len(state.depth_hits), accepted + 1)):
         state.depth_hits[depth] = 0.9 * state.depth_hits[depth] + 0.1 * float(depth < accepted)
     if decode.adapt and tree.kind == "chain":

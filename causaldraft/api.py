@@ -80,9 +80,12 @@ class Engine:
         state = prefill(self.decoder, prompt_ids, max_new_tokens, generator)
         self.last_stats = state.stats
         text = TextTracker(self.tokenizer, stops)
-        # A seeded request adapts from a fresh state without timing-based decisions, so the same
-        # seed gives the same tokens (tree shapes, and so random draws, never depend on the clock).
-        adapt = self.adapt if seed is None else initial_adapt_state(self.decoder.tree, timed=False)
+        # A seeded sampled request adapts from a fresh state without timing-based decisions, so the
+        # same seed gives the same tokens (tree shapes, and so random draws, never depend on the
+        # clock). Greedy output does not depend on the tree at all, so greedy requests always use
+        # the engine's measured cost model, seed or not.
+        seeded = seed is not None and not sampling.greedy
+        adapt = initial_adapt_state(self.decoder.tree, timed=False) if seeded else self.adapt
         for emitted in decode_steps(self.decoder, state, adapt, sampling, max_new_tokens):
             kept, delta = text.add(emitted)
             state.stats.wall_s = time.perf_counter() - started

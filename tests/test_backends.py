@@ -158,3 +158,11 @@ def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: P
     loaded.backend.compile(buckets=(1, 4, 32))  # type: ignore[attr-defined]
     spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
     assert spec.generate("hello world hello world", max_new_tokens=20).token_ids == expected
+    # another prompt length and cache size reuses the same graphs: only the attention span is dynamic
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    longer = "the quick brown fox jumps over the lazy dog, the quick brown fox"
+    expected = plain.generate(longer, max_new_tokens=30).token_ids
+    assert spec.generate(longer, max_new_tokens=30).token_ids == expected
+    assert counters["stats"]["unique_graphs"] == graphs

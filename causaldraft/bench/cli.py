@@ -54,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        backend=args.backend, dtype=args.dtype, temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, limit=args.limit, categories=categories,
                        repeats=args.repeats, warmup=args.warmup, seed=args.seed, profile=args.profile,
-                       budgets=parse_budgets(args.budgets), engine=engine)  # fmt: skip
+                       budgets=parse_budgets(args.budgets), compile=args.compile, engine=engine)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ class BenchConfig:
     seed: int = 0
     profile: bool = False
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    compile: bool = False  # torch.compile the shared native target (every causaldraft method)
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
@@ -194,10 +195,12 @@ def sweep_budgets(config: BenchConfig, factory: MethodFactory, encoder: object, 
 
 def run_bench(config: BenchConfig, progress: bool = True, loaded: LoadedModel | None = None) -> BenchRun:
     """Load the target once, build every method on it, warm up, run, and optionally sweep budgets."""
-    from causaldraft.api import load
+    from causaldraft.api import compile_backend, load
 
     questions = read_questions(config.prompts, config.limit, list(config.categories) or None)
     target = loaded or load_model(config.model, config.backend, config.dtype)
+    if config.compile:
+        compile_backend(target)
     run = BenchRun(config, questions, model_dir=str(target.model_dir), fingerprint=target.fingerprint)
     encoder = load(config.model, config.dtype, drafter="none", loaded=target, calibrate=False)
     tokenizer = target.tokenizer

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from causaldraft.bench.harness import BenchConfig, BenchRun
+from causaldraft.bench.methods import EngineOptions
 from causaldraft.bench.metrics import summarize
 from causaldraft.bench.plots import plot_acceptance_by_depth, plot_accepted_lengths, plot_budgets, plot_speedups
 
@@ -32,6 +33,21 @@ def command_line(config: BenchConfig) -> str:
     if config.categories:
         parts += ["--categories", ",".join(config.categories)]
     parts += ["--repeats", str(config.repeats)]
+    if config.compile:
+        parts.append("--compile")
+    engine = config.engine
+    for flag, value in (("--depth", engine.depth), ("--width", engine.width), ("--max-nodes", engine.max_nodes),
+                        ("--draft-model", engine.draft_model), ("--heads", engine.heads)):  # fmt: skip
+        if value is not None:
+            parts += [flag, str(value)]
+    if engine.acceptance != "lossless":
+        parts += ["--acceptance", engine.acceptance]
+    if engine.draft_layers != EngineOptions().draft_layers:
+        parts += ["--draft-layers", str(engine.draft_layers)]
+    for flag, enabled in (("--no-lookup-merge", engine.lookup_merge), ("--no-adapt", engine.adapt),
+                          ("--no-fallback", engine.fallback)):  # fmt: skip
+        if not enabled:
+            parts.append(flag)
     if config.profile:
         parts += ["--profile", "--budgets", ",".join(map(str, config.budgets))]
     return shlex.join(parts)

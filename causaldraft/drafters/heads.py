@@ -186,8 +186,7 @@ class HeadsDrafter:
         self.heads = heads
         self.backend = backend
         self.name = heads.config.kind
-        self.lookup = LookupDrafter() if lookup_merge else None
-        self.lookup_hit_rate = 0.6  # EMA of the accepted share of the best lookup path
+        self.lookup = LookupDrafter() if lookup_merge else None  # its score() rates merged paths
         # drafting reads the output rows once per tree level: bf16 halves the (memory-bound) cost
         self.out_weight = heads.out_weight.to(torch.bfloat16)  # [V', hidden]
         self.last_lookup: tuple[int, ...] = ()
@@ -208,7 +207,7 @@ class HeadsDrafter:
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
         for rank, path in enumerate(paths):
             for end in range(1, len(path) + 1):
-                score = self.lookup_hit_rate**end / (rank + 1)
+                score = self.lookup.score(end - 1, rank) if self.lookup is not None else 0.0
                 merge_paths(draft, [path[:end]], score, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
 
@@ -280,14 +279,13 @@ class HeadsDrafter:
         return state
 
     def observe(self, result: StepResult) -> None:
-        if not self.last_lookup:
+        if not self.last_lookup or self.lookup is None:
             return
         emitted = result.acceptance.tokens
         matched = 0
         while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
             matched += 1
-        self.lookup_hit_rate = 0.9 * self.lookup_hit_rate + 0.1 * matched / len(self.last_lookup)
-        self.lookup_hit_rate = min(0.95, max(0.05, self.lookup_hit_rate))
+        self.lookup.record(matched, len(self.last_lookup))
 
 
 def default_heads_dir(kind: str) -> Path:

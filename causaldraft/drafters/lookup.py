@@ -21,7 +21,10 @@ class LookupDrafter:
         self.min_ngram = min_ngram
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
         self.indexed = 0
-        self.hit_rate = 0.6  # running per-token acceptance of lookup proposals, for scores
+        # Scores: a copied continuation is either wrong at once or right for a while, so the first
+        # token and each further token (given the previous ones matched) get separate running rates.
+        self.first_rate = 0.5  # P(first proposed token accepted)
+        self.continue_rate = 0.7  # P(token k+1 accepted | tokens 1..k accepted)
 
     def start(self, prompt: tuple[int, ...]) -> None:
         self.index = defaultdict(list)
@@ -59,9 +62,22 @@ class LookupDrafter:
         draft = TreeDraft(parents=[-1], tokens=[context.tokens[-1]], scores=[1.0])
         for rank, path in enumerate(paths):
             for offset in range(len(path)):
-                score = self.hit_rate ** (offset + 1) / (rank + 1)
-                merge_paths(draft, [path[: offset + 1]], score, context.max_nodes)
+                merge_paths(draft, [path[: offset + 1]], self.score(offset, rank), context.max_nodes)
         return Draft.from_tree_draft(draft)
+
+    def score(self, offset: int, rank: int) -> float:
+        """Estimated probability that the ``rank``-th continuation is accepted through ``offset``."""
+        return self.first_rate * self.continue_rate**offset / (rank + 1)
+
+    def record(self, matched: int, proposed: int) -> None:
+        """Fold in that the first ``matched`` of ``proposed`` continuation tokens were accepted."""
+        if proposed < 1:
+            return
+        self.first_rate = 0.9 * self.first_rate + 0.1 * float(matched >= 1)
+        for offset in range(1, min(matched + 1, proposed)):  # token offset+1 given tokens 1..offset
+            self.continue_rate = 0.95 * self.continue_rate + 0.05 * float(matched > offset)
+        self.first_rate = min(0.95, max(0.05, self.first_rate))
+        self.continue_rate = min(0.98, max(0.05, self.continue_rate))
 
     def observe(self, result: StepResult) -> None:
         tree = result.draft.tree
@@ -69,5 +85,4 @@ class LookupDrafter:
             depth = [0] * tree.size
             for node in range(1, tree.size):
                 depth[node] = depth[tree.parents[node]] + 1
-            accepted = len(result.acceptance.path) - 1
-            self.hit_rate = 0.9 * self.hit_rate + 0.1 * accepted / max(depth)
+            self.record(len(result.acceptance.path) - 1, max(depth))

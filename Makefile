@@ -33,7 +33,7 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/causaldraft bench --prompts ../shared/data/bench/mt_bench_question.jsonl \
-		--methods hf,ar,lookup,medusa:dynamic,markov:dynamic --max-new-tokens 256 --out runs/mt-bench
+		--methods hf,ar,lookup,medusa:dynamic,markov:dynamic --max-new-tokens 256 --compile --out runs/mt-bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -25,6 +25,11 @@ CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 
+def round_up(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest of ``sizes`` (ascending) that is >= n, or n itself past the largest."""
+    return next((size for size in sizes if size >= n), n)
+
+
 @dataclass
 class VerifyCost:
     """Seconds of one target pass by number of new tokens, interpolated between measured sizes.
@@ -37,7 +42,7 @@ class VerifyCost:
     buckets: tuple[int, ...] = ()
 
     def padded(self, nodes: int) -> int:
-        return next((size for size in self.buckets if size >= nodes), nodes)
+        return round_up(self.buckets, nodes)
 
     def __call__(self, nodes: int) -> float:
         nodes = self.padded(nodes)
@@ -106,8 +111,8 @@ def initial_adapt_state(tree: TreeConfig, timed: bool = True) -> AdaptState:
 
 
 def budget_class(nodes: int) -> int:
-    """The candidate budget a tree of ``nodes`` nodes counts under (the smallest >= nodes)."""
-    return next((budget for budget in BUDGETS if budget >= nodes), nodes)
+    """The candidate budget a tree of ``nodes`` nodes counts under."""
+    return round_up(BUDGETS, nodes)
 
 
 def budget_calibration(state: AdaptState, budget: int) -> float:

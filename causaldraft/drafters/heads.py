@@ -205,10 +205,10 @@ class HeadsDrafter:
         with torch.inference_mode():
             expand = self.expander(context)
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
-        for rank, path in enumerate(paths):
-            for end in range(1, len(path) + 1):
-                score = self.lookup.score(end - 1, rank) if self.lookup is not None else 0.0
-                merge_paths(draft, [path[:end]], score, context.max_nodes)
+        if self.lookup is not None:  # paths is empty without it
+            for rank, path in enumerate(paths):
+                for end in range(1, len(path) + 1):
+                    merge_paths(draft, [path[:end]], self.lookup.score(end - 1, rank), context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
 
     def lookup_paths(self, context: DraftContext) -> list[tuple[int, ...]]:

@@ -269,9 +269,12 @@ class NativeLlama(nn.Module):
         s = self.llama_shape
         if self.compiled_body is None:
             return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype)
-        # room for a padded bucket beyond max_len
+        # room for a padded bucket beyond max_len; the buffers' length is the graphs' dynamic dim
         capacity = max_len + max(self.buckets)
-        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
+        cache = KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
+        for buffer in (*cache.keys, *cache.values):
+            torch._dynamo.mark_dynamic(buffer, 1)
+        return cache
 
     def forward(  # type: ignore[override]
         self,
@@ -316,9 +319,7 @@ def pad_to_bucket(
     padded_mask[:n, :span] = mask
     padded_mask[n:, 0] = True
     slots = torch.arange(cache.length, cache.length + bucket)
-    torch._dynamo.mark_dynamic(padded_mask, 1)
-    for buffer in (*cache.keys, *cache.values):
-        torch._dynamo.mark_dynamic(buffer, 1)
+    torch._dynamo.mark_dynamic(padded_mask, 1)  # the cache buffers were marked in new_cache
     return padded_tokens, padded_positions, padded_mask, slots, cache.keys, cache.values
 
 

@@ -137,9 +137,9 @@ def write_q4_1_gguf(model_dir: Path, path: Path) -> dict[str, np.ndarray]:
     writer = GGUFWriter(str(path), "llama")
     blocks_by_name: dict[str, np.ndarray] = {}
     for index, layer in enumerate(model.layers):
-        for gguf_part, module in (("attn_q", layer.self_attn.q_proj), ("attn_k", layer.self_attn.k_proj),
-                                  ("ffn_down", layer.mlp.down_proj)):  # fmt: skip
-            weight = module.weight.numpy()
+        q, k, _ = layer.self_attn.qkv_proj.weight.split(shape.part_rows("self_attn.qkv_proj"))
+        for gguf_part, weight_tensor in (("attn_q", q), ("attn_k", k), ("ffn_down", layer.mlp.down_proj.weight)):
+            weight = weight_tensor.numpy()
             heads = {"attn_q": shape.num_heads, "attn_k": shape.kv_heads}.get(gguf_part)
             if heads is not None:
                 weight = llama_cpp_permute(weight, heads)
@@ -162,15 +162,20 @@ def test_gguf_q4_1_loaded_as_int4_unpermuted(tmp_path: Path, capsys: pytest.Capt
     assert "loaded as int4 without re-quantization" in capsys.readouterr().err
     fp32 = NativeLlama.from_pretrained(model_dir, torch.float32)
     for index, layer in enumerate(model.layers):
-        q_proj = layer.self_attn.q_proj
-        assert isinstance(q_proj, Int4Linear)
+        qkv_proj = layer.self_attn.qkv_proj
+        assert isinstance(qkv_proj, Int4Linear)
+        q_rows = qkv_proj.dequantized()[:128]  # q_proj is stacked first in qkv_proj
         gguf_q = torch.from_numpy(dequantize(blocks[f"layers.{index}.attn_q"], Q4_1))  # GGUF row order
         hf_q = gguf_q[unpermute_order(128, 4)]
-        assert torch.allclose(q_proj.dequantized(), hf_q, rtol=2**-7, atol=1e-4)
+        assert torch.allclose(q_rows, hf_q, rtol=2**-7, atol=1e-4)
         # the unpermuted Q4_1 weights are close to the original ones (not a shuffled copy)
-        original = fp32.layers[index].self_attn.q_proj.weight
-        assert (q_proj.dequantized() - original).abs().max() < 0.1 * original.abs().max()
+        original = fp32.layers[index].self_attn.qkv_proj.weight[:128]
+        assert (q_rows - original).abs().max() < 0.1 * original.abs().max()
         assert not torch.allclose(gguf_q, original, atol=0.1 * float(original.abs().max()))
+        # v_proj was not in the GGUF file: quantized from the checkpoint, stacked after q and k
+        v_rows = qkv_proj.dequantized()[128 + 64 :]
+        original_v = fp32.layers[index].self_attn.qkv_proj.weight[128 + 64 :]
+        assert (v_rows - original_v).abs().max() < 0.1 * original_v.abs().max()
 
 
 @pytest.mark.slow
@@ -186,8 +191,11 @@ def test_q4_1_default_gguf_tensor_and_permutation() -> None:
     model = NativeLlama.from_pretrained(resolve_model_dir("default"), torch.float32)
     names = {"layers.3.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.3.mlp.up_proj"}
     weights = read_q4_1_weights(path, model.llama_shape, names)
+    q, k, _ = model.layers[3].self_attn.qkv_proj.weight.split(model.llama_shape.part_rows("self_attn.qkv_proj"))
+    _, up = model.layers[3].mlp.gate_up_proj.weight.chunk(2)
+    checkpoint = {"layers.3.self_attn.q_proj": q, "layers.3.self_attn.k_proj": k, "layers.3.mlp.up_proj": up}
     for name in names:  # the converted checkpoint is transformers' dequantization, unpermuted
-        assert torch.allclose(dequantize_int4(weights[name]), model.get_submodule(name).weight, atol=1e-6)
+        assert torch.allclose(dequantize_int4(weights[name]), checkpoint[name], atol=1e-6)
 
 
 # ---------------------------------------------------------------- models
@@ -253,7 +261,7 @@ def test_int4_falls_back_to_int8_with_message(tmp_path: Path, capsys: pytest.Cap
     model_dir = save_tiny_llama(tmp_path / "ragged", hidden_size=48, intermediate_size=128)
     model = load_quantized(model_dir, "int4")
     assert "use int8 instead" in capsys.readouterr().err
-    assert isinstance(model.layers[0].self_attn.q_proj, Int8Linear)  # in_features 48
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)  # in_features 48
     assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)  # in_features 128
 
 

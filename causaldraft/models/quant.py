@@ -39,12 +39,12 @@ from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import causaldraft_home
-from causaldraft.models.native import NativeLlama
+from causaldraft.models.native import FUSED_PROJECTIONS, NativeLlama
 
 GROUP_SIZE = 32
 INT4_OUT_MULTIPLE = 16  # the int4 packing kernel needs out_features % 16 == 0
 INT8_IN_MULTIPLE = 16  # the int8 kernel crashes unless in_features % 16 == 0 (torch 2.13, CPU)
-CACHE_FORMAT = "causaldraft-quant-1"
+CACHE_FORMAT = "causaldraft-quant-2"  # 2: fused q/k/v and gate/up projections
 QUANT_DTYPES = ("int8", "int4")
 ACTIVATION_DTYPE = torch.bfloat16
 
@@ -215,10 +215,36 @@ def make_linear(weights: QuantWeights, bias: torch.Tensor | None) -> nn.Module:
 
 
 def linear_names(model: NativeLlama) -> Iterator[str]:
-    """Names of the layers' linears and the LM head, e.g. ``layers.0.self_attn.q_proj``."""
+    """Names of the layers' linears and the LM head, e.g. ``layers.0.self_attn.qkv_proj``."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             yield name
+
+
+def parts_of(model: NativeLlama, name: str) -> list[tuple[str, int]]:
+    """The checkpoint linears a module stacks, with their rows: ``layers.0.mlp.gate_up_proj`` ->
+    [("layers.0.mlp.gate_proj", 1536), ("layers.0.mlp.up_proj", 1536)]; a plain linear is itself."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if name.endswith(f".{fused}"):
+            prefix = name.removesuffix(fused)
+            return list(zip((prefix + part for part in parts), model.llama_shape.part_rows(fused), strict=True))
+    linear = model.get_submodule(name)
+    assert isinstance(linear, nn.Linear)
+    return [(name, linear.out_features)]
+
+
+def checkpoint_linear_names(model: NativeLlama) -> set[str]:
+    """Checkpoint (and GGUF) granularity: ``layers.0.self_attn.q_proj``, ..."""
+    return {part for name in linear_names(model) for part, _ in parts_of(model, name)}
+
+
+def stack_int4(parts: list[Int4Weights]) -> Int4Weights:
+    """Row-wise concatenation; exact, since int4 groups lie within one row."""
+    return Int4Weights(
+        torch.cat([part.values for part in parts]),
+        torch.cat([part.scales.float() for part in parts]),
+        torch.cat([part.zeros.float() for part in parts]),
+    )
 
 
 def quantize_weights(name: str, weight: torch.Tensor, dtype: str, fallbacks: list[str]) -> QuantWeights:
@@ -235,17 +261,22 @@ def quantize_weights(name: str, weight: torch.Tensor, dtype: str, fallbacks: lis
 def quantize_model_weights(
     model: NativeLlama, dtype: str, provided: dict[str, Int4Weights] | None = None
 ) -> dict[str, QuantWeights]:
-    """Quantize every linear of an fp32 model; ``provided`` int4 weights (from GGUF) are used as is."""
+    """Quantize every linear of an fp32 model; ``provided`` int4 weights (from GGUF, by checkpoint
+    name) are used as they are, stacked with their fused siblings."""
     provided = provided or {}
     fallbacks: list[str] = []
     result: dict[str, QuantWeights] = {}
     for name in linear_names(model):
-        if dtype == "int4" and name in provided:
-            result[name] = provided[name]
-            continue
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        result[name] = quantize_weights(name, linear.weight.data, dtype, fallbacks)
+        weight = linear.weight.data
+        if dtype == "int4" and name != "lm_head" and int4_supported(*weight.shape):
+            parts = parts_of(model, name)
+            rows = weight.split([count for _, count in parts])
+            stacked = [provided.get(part) or quantize_int4(block) for (part, _), block in zip(parts, rows, strict=True)]
+            result[name] = stack_int4(stacked)
+            continue
+        result[name] = quantize_weights(name, weight, dtype, fallbacks)
     if fallbacks:
         notify(
             f"int4 needs in_features % {GROUP_SIZE} == 0 and out_features % {INT4_OUT_MULTIPLE} == 0; "
@@ -358,7 +389,7 @@ def load_quantized(model_dir: Path, dtype: str) -> NativeLlama:
         if gguf_path is not None:
             from causaldraft.models.gguf_q4 import read_q4_1_weights
 
-            provided = read_q4_1_weights(gguf_path, full.llama_shape, set(linear_names(full)))
+            provided = read_q4_1_weights(gguf_path, full.llama_shape, checkpoint_linear_names(full))
         weights = quantize_model_weights(full, dtype, provided)
         del full
         try:

@@ -103,6 +103,7 @@ class AdaptState:
     probe_steps: int = 0
     depth_hits: list[float] = field(default_factory=list)
     budget_calibration: dict[int, float] = field(default_factory=dict)  # budget class -> its own calibration
+    chosen_budget: int = 0  # the node budget of the last pruned draft (0: none yet)
     timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
 
 
@@ -128,6 +129,21 @@ def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_
         if rate > best_rate:
             best_nodes, best_rate = budget, rate
     return best_nodes
+
+
+def draft_limits(state: AdaptState, tree: TreeConfig) -> tuple[int, int]:
+    """(depth, max_nodes) to draft for: the tree's, or, once budgets are chosen from measured
+    costs, one budget class above the last chosen budget, no deeper than that many nodes allow.
+
+    Drafting what will be pruned is pure cost (Markov heads: one vocabulary projection per level,
+    ~1.5 ms on this CPU): with a 2-node budget a full 4-level 32-node tree cost 5-9 ms to draft,
+    as much as the int4 verify pass itself. The limit grows by a class per step, so a budget can
+    still climb when acceptance rises.
+    """
+    if not state.chosen_budget:
+        return state.depth, tree.max_nodes
+    max_nodes = min(tree.max_nodes, round_up(BUDGETS, state.chosen_budget + 1))
+    return min(state.depth, max_nodes - 1), max_nodes
 
 
 def update_after_step(

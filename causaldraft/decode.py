@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from causaldraft.adapt import AdaptState, VerifyCost, choose_budget, update_after_step
+from causaldraft.adapt import AdaptState, VerifyCost, choose_budget, draft_limits, update_after_step
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError
@@ -124,23 +124,26 @@ def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator:
 def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling: SamplingConfig) -> Draft:
     if not adapt.speculating:
         return Draft.root_only(state.tokens[-1])
+    sized = decoder.decode.adapt and adapt.timed
+    depth, max_nodes = draft_limits(adapt, decoder.tree) if sized else (adapt.depth, decoder.tree.max_nodes)
     context = DraftContext(
         tokens=tuple(state.tokens),
         hidden=state.hidden,
         tree_kind=decoder.tree.kind,
-        depth=adapt.depth,
+        depth=depth,
         width=adapt.width,
-        max_nodes=decoder.tree.max_nodes,
+        max_nodes=max_nodes,
         sampling=sampling,
         generator=state.generator,
     )
     draft = decoder.drafter.propose(context)
-    if draft.tree.size <= 2 or not (decoder.decode.adapt and adapt.timed) or draft.child_mode != "deterministic":
+    if draft.tree.size <= 2 or not sized or draft.child_mode != "deterministic":
         return draft
     ranked = sorted(draft.scores[1:], reverse=True)
     # At least one draft node stays: whether speculating pays at all is the fallback's decision,
     # which needs the acceptance of real drafts (a root-only tree would pay the draft for nothing).
     budget = max(2, choose_budget(ranked, adapt, decoder.cost, decoder.tree.max_nodes))
+    adapt.chosen_budget = budget
     if budget >= draft.tree.size:
         return draft
     tree = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), budget)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from causaldraft.adapt import VerifyCost, choose_budget, initial_adapt_state, update_after_step
+from causaldraft.adapt import VerifyCost, choose_budget, draft_limits, initial_adapt_state, update_after_step
 from causaldraft.config import DecodeConfig, TreeConfig
 
 
@@ -56,3 +56,17 @@ def test_a_budget_whose_trees_underdeliver_gets_its_own_lower_calibration() -> N
     assert state.budget_calibration[32] < 0.7 < 0.9 < state.budget_calibration[16]
     # one global factor (~0.66 now) would rate 32 nodes (4.1 tokens / 40 ms) above 16 (3.0 / 30 ms)
     assert choose_budget(scores, state, cost, 32) == 16
+
+
+def test_draft_limits_follow_the_chosen_budget_one_class_ahead() -> None:
+    tree = TreeConfig(depth=5, max_nodes=32)
+    state = initial_adapt_state(tree)
+    assert draft_limits(state, tree) == (5, 32)  # nothing chosen yet: the whole tree
+    state.chosen_budget = 2
+    assert draft_limits(state, tree) == (2, 3)  # a 2-node budget drafts 3 nodes, 2 levels deep
+    state.chosen_budget = 4
+    assert draft_limits(state, tree) == (5, 6)
+    state.chosen_budget = 16
+    assert draft_limits(state, tree) == (5, 20)
+    state.chosen_budget = 32
+    assert draft_limits(state, tree) == (5, 32)  # never past the configured ceiling

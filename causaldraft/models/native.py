@@ -24,6 +24,9 @@ from causaldraft.models.base import Cache, ForwardOutput, ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COMPILE_BUCKETS = (1, 4, 8, 16, 32)
+# int4/int8 kernels cost much more per extra row (measured, int4, ms per pass over 1/2/4/8/16 new
+# tokens: 10/15/20/26/42), so trees stay small: finer buckets there, none of 32.
+QUANTIZED_BUCKETS = (1, 2, 4, 8, 16)
 # Fused projections: one matmul instead of several over the same input (fewer, larger kernel calls;
 # measured for int4 at 1 row: q+k+v 41 us -> 23 us per layer). Rows are the parts stacked in order.
 FUSED_PROJECTIONS = {
@@ -223,6 +226,7 @@ class NativeLlama(nn.Module):
         self.rope_scaling = rope_scaling
         self.compiled_body: Callable[..., torch.Tensor] | None = None
         self.buckets: tuple[int, ...] = ()
+        self.quantized = False  # set by quant.install_quantized
 
     @property
     def dtype(self) -> torch.dtype:  # type: ignore[override]
@@ -264,6 +268,7 @@ class NativeLlama(nn.Module):
         draft.norm = self.norm
         draft.lm_head = self.lm_head
         draft.inv_freq = self.inv_freq
+        draft.quantized = self.quantized
         return draft.eval()
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,8 +303,9 @@ class NativeLlama(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def compile(self, buckets: tuple[int, ...] = COMPILE_BUCKETS) -> None:  # type: ignore[override]
-        """Compile ``body`` with torch.compile (inductor, frozen weights): one graph per bucket.
+    def compile(self, buckets: tuple[int, ...] | None = None) -> None:  # type: ignore[override]
+        """Compile ``body`` with torch.compile (inductor, frozen weights): one graph per bucket
+        (default ``COMPILE_BUCKETS``, ``QUANTIZED_BUCKETS`` for int8/int4 weights).
 
         New-token counts are padded up to ``buckets`` (larger passes, e.g. a long prefill, run
         eagerly); the attention span is marked dynamic, so any cache length reuses the bucket's
@@ -311,6 +317,8 @@ class NativeLlama(nn.Module):
 
         inductor_config.freezing = True
         dynamo_config.automatic_dynamic_shapes = False  # only the attention span is dynamic
+        if buckets is None:
+            buckets = QUANTIZED_BUCKETS if self.quantized else COMPILE_BUCKETS
         self.buckets = tuple(sorted(buckets))
         # the weights are frozen into the graphs, so guards on the modules only cost time (~1 ms a
         # call); the graphs are told apart by their input shapes (the tensor guards)

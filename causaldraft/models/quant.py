@@ -294,6 +294,7 @@ def install_quantized(model: NativeLlama, weights: dict[str, QuantWeights]) -> N
         linear = getattr(parent, child)
         bias = linear.bias.data if isinstance(linear, nn.Linear) and linear.bias is not None else None
         setattr(parent, child, make_linear(quantized, bias))
+    model.quantized = True
     return model
 
 

@@ -133,12 +133,13 @@ def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_
 
 def draft_limits(state: AdaptState, tree: TreeConfig) -> tuple[int, int]:
     """(depth, max_nodes) to draft for: the tree's, or, once budgets are chosen from measured
-    costs, one budget class above the last chosen budget, no deeper than that many nodes allow.
+    costs, one budget class above the last chosen budget, no deeper than that many nodes allow
+    (e.g. budget 2: 3 nodes, 2 levels; budget 4: 6 nodes, 5 levels).
 
     Drafting what will be pruned is pure cost (Markov heads: one vocabulary projection per level,
     ~1.5 ms on this CPU): with a 2-node budget a full 4-level 32-node tree cost 5-9 ms to draft,
     as much as the int4 verify pass itself. The limit grows by a class per step, so a budget can
-    still climb when acceptance rises.
+    still climb when acceptance rises (a chain or a copied lookup path needs the extra level).
     """
     if not state.chosen_budget:
         return state.depth, tree.max_nodes

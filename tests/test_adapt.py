@@ -63,7 +63,9 @@ def test_draft_limits_follow_the_chosen_budget_one_class_ahead() -> None:
     state = initial_adapt_state(tree)
     assert draft_limits(state, tree) == (5, 32)  # nothing chosen yet: the whole tree
     state.chosen_budget = 2
-    assert draft_limits(state, tree) == (2, 3)  # a 2-node budget drafts 3 nodes, 2 levels deep
+    assert draft_limits(state, tree) == (2, 3)  # a 2-node budget drafts 3 nodes, up to 2 levels deep
+    state.chosen_budget = 3
+    assert draft_limits(state, tree) == (3, 4)
     state.chosen_budget = 4
     assert draft_limits(state, tree) == (5, 6)
     state.chosen_budget = 16

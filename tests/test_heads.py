@@ -25,6 +25,7 @@ from causaldraft.drafters.heads import (
 from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.quant import Int8Linear
 
 PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
 
@@ -147,3 +148,18 @@ def test_shipped_default_heads_match_plain_decoding() -> None:
             result = engine.generate(prompt, max_new_tokens=64, chat=True)
             assert result.token_ids == tokens
             assert result.stats.mean_accepted > 1.1
+
+
+def test_int8_drafting_agrees_with_bf16_drafting(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Quantized targets draft with an int8 output projection: the same chains as bf16 drafting
+    but for near-ties (lossless either way: drafts only decide what gets verified)."""
+    markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny.backend)
+    bf16 = HeadsDrafter(markov, tiny.backend, lookup_merge=False)
+    int8 = HeadsDrafter(markov, tiny.backend, lookup_merge=False, int8=True)
+    assert isinstance(int8.project, Int8Linear)
+    same = 0
+    for seed in range(20):
+        hidden = torch.randn(tiny.backend.shape.hidden_size, generator=torch.Generator().manual_seed(seed))
+        context = DraftContext((5, 6, 7), hidden, "chain", 3, 1, 4, SamplingConfig(), None)
+        same += bf16.propose(context).tree.tokens == int8.propose(context).tree.tokens
+    assert same >= 16, same

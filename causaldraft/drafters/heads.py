@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.lookup import LookupDrafter
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
+from causaldraft.models.quant import Int8Linear, quantize_int8
 from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
 
 HEAD_KINDS = ("markov", "medusa")
@@ -182,13 +184,18 @@ def load_heads(directory: Path, backend: Backend, kind: str | None = None) -> Dr
 class HeadsDrafter:
     """Grows chain/static/dynamic trees from the heads, optionally merged with prompt lookup."""
 
-    def __init__(self, heads: DraftHeads, backend: Backend, lookup_merge: bool = True) -> None:
+    def __init__(self, heads: DraftHeads, backend: Backend, lookup_merge: bool = True, int8: bool = False) -> None:
+        """``int8``: the output projection in int8 per row (for quantized targets; measured
+        [3, 576] x [576, 8192]: 226 us vs 252 us in bf16, 145 vs 234 us for one row)."""
         self.heads = heads
         self.backend = backend
         self.name = heads.config.kind
         self.lookup = LookupDrafter() if lookup_merge else None  # its score() rates merged paths
         # drafting reads the output rows once per tree level: bf16 halves the (memory-bound) cost
-        self.out_weight = heads.out_weight.to(torch.bfloat16)  # [V', hidden]
+        out_weight = heads.out_weight.to(torch.bfloat16)  # [V', hidden]
+        self.project: Callable[[torch.Tensor], torch.Tensor] = (
+            Int8Linear(quantize_int8(heads.out_weight), None) if int8 else lambda x: x @ out_weight.t()
+        )  # [m, hidden] bf16 -> [m, V'] logits
         self.last_lookup: tuple[int, ...] = ()
 
     def start(self, prompt: tuple[int, ...]) -> None:
@@ -241,7 +248,7 @@ class HeadsDrafter:
                 if heads.config.kind == "medusa":
                     state = state[:1]  # one distinct row per depth
                 normed = heads.out_norms[depth](state).to(torch.bfloat16)  # [m, hidden]
-                probs = torch.softmax((normed @ self.out_weight.t()).float(), dim=-1)  # [m, V']
+                probs = torch.softmax(self.project(normed).float(), dim=-1)  # [m, V']
                 top = torch.topk(probs, count, dim=-1)
                 ids = heads.vocab_ids[top.indices].tolist()  # [m, count]
                 values = top.values.tolist()
@@ -310,4 +317,5 @@ def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ign
                 "or use --drafter lookup"
             )
     heads = load_heads(directory, target.backend, kind)
-    return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge)
+    quantized = bool(getattr(target.backend, "quantized", False))  # int8/int4 target: int8 drafting too
+    return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge, int8=quantized)

@@ -58,17 +58,15 @@ def test_a_budget_whose_trees_underdeliver_gets_its_own_lower_calibration() -> N
     assert choose_budget(scores, state, cost, 32) == 16
 
 
-def test_draft_limits_follow_the_chosen_budget_one_class_ahead() -> None:
+def test_draft_limits_follow_the_chosen_budget_with_room_to_double() -> None:
     tree = TreeConfig(depth=5, max_nodes=32)
     state = initial_adapt_state(tree)
     assert draft_limits(state, tree) == (5, 32)  # nothing chosen yet: the whole tree
     state.chosen_budget = 2
-    assert draft_limits(state, tree) == (2, 3)  # a 2-node budget drafts 3 nodes, up to 2 levels deep
+    assert draft_limits(state, tree) == (3, 4)  # a 2-node budget drafts 4 nodes, up to 3 levels deep
     state.chosen_budget = 3
-    assert draft_limits(state, tree) == (3, 4)
-    state.chosen_budget = 4
     assert draft_limits(state, tree) == (5, 6)
-    state.chosen_budget = 16
-    assert draft_limits(state, tree) == (5, 20)
+    state.chosen_budget = 8
+    assert draft_limits(state, tree) == (5, 16)
     state.chosen_budget = 32
     assert draft_limits(state, tree) == (5, 32)  # never past the configured ceiling

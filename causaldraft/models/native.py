@@ -167,7 +167,8 @@ def attend(
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
         )
         return out[0]
-    if n <= SMALL_QUERY_COUNT and torch.compiler.is_compiling():
+    fused = n <= SMALL_QUERY_COUNT and torch.compiler.is_compiling()
+    if fused:
         grouped = q.view(kv_heads, group, n, 1, hd).float()
         scores = (grouped * keys.view(kv_heads, 1, 1, span, hd).float()).sum(-1)  # [kvh, g, n, span]
     else:
@@ -175,7 +176,7 @@ def attend(
         scores = scores.float().view(kv_heads, group, n, span)
     scores = (scores * hd**-0.5).masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # [kvh, g, n, span] fp32
-    if n <= SMALL_QUERY_COUNT and torch.compiler.is_compiling():
+    if fused:
         out = (weights.unsqueeze(-1) * values.view(kv_heads, 1, 1, span, hd).float()).sum(-2)
         return out.to(q.dtype).view(heads, n, hd)
     weights = weights.to(values.dtype).view(kv_heads, group * n, span)

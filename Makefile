@@ -16,6 +16,17 @@ $(BIN)/causaldraft: pyproject.toml
 
 setup: $(BIN)/causaldraft
 
+# speculators (for the eagle3 export check) pins transformers<=5.19: it gets a venv of its own
+SPEC_VENV ?= .venv-speculators
+SPEC_BIN := $(SPEC_VENV)/bin
+$(SPEC_BIN)/python: Makefile
+	$(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_BIN)/pip install --quiet --upgrade pip
+	$(SPEC_BIN)/pip install --quiet torch==2.13.0 "transformers>=5.0,<=5.19.0" safetensors pydantic \
+		pydantic-settings loguru openai "datasets>=4.0,<=5.1.0" hs-connectors==0.9.0
+	$(SPEC_BIN)/pip install --quiet --no-deps speculators==0.9.0
+	touch $(SPEC_BIN)/python
+
 demo: setup
 	$(BIN)/causaldraft generate --chat --stream --drafter markov --prompt "$(PROMPT)"
 	$(BIN)/causaldraft generate --chat --json --drafter markov --max-new-tokens 128 --prompt "$(PROMPT)"
@@ -25,8 +36,8 @@ lint: setup
 	$(BIN)/ruff format --check causaldraft tests bench
 	$(BIN)/mypy causaldraft
 
-test: lint
-	$(BIN)/python -m pytest -q
+test: lint $(SPEC_BIN)/python
+	CAUSALDRAFT_SPECULATORS_PYTHON=$(SPEC_BIN)/python $(BIN)/python -m pytest -q
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -36,4 +47,4 @@ bench: setup
 		--methods hf,ar,lookup,medusa:dynamic,markov:dynamic --max-new-tokens 256 --compile --out runs/mt-bench
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(SPEC_VENV) runs

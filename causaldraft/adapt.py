@@ -66,8 +66,11 @@ class VerifyCost:
         self.seconds[key] = 0.9 * previous + 0.1 * seconds
 
 
-def measure_verify_cost(backend: Backend, max_nodes: int, context: int = 128, repeats: int = 2) -> VerifyCost:
-    """Time target passes over n new tokens after a ``context``-token prefix."""
+def measure_verify_cost(
+    backend: Backend, max_nodes: int, context: int = 128, repeats: int = 2, aux_layers: tuple[int, ...] = ()
+) -> VerifyCost:
+    """Time target passes over n new tokens after a ``context``-token prefix (returning the
+    drafter's ``aux_layers`` features, as the decode loop's passes do)."""
     cache = backend.new_cache(context + max(CALIBRATION_SIZES) + 1)
     prefix = torch.zeros(context, dtype=torch.long)
     backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
@@ -81,7 +84,7 @@ def measure_verify_cost(backend: Backend, max_nodes: int, context: int = 128, re
         timings = []
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            backend.forward(tokens, positions, mask, cache)
+            backend.forward(tokens, positions, mask, cache, aux_layers=aux_layers)
             timings.append(time.perf_counter() - started)
             cache.rollback(context)
         cost.seconds[size] = min(timings[1:])

@@ -214,7 +214,7 @@ def load(
     options = DrafterOptions(draft_model=draft_model, draft_layers=draft_layers, heads=heads, lookup_merge=lookup_merge)
     chosen = build_drafter(drafter, target, options, dtype)
     if calibrate:
-        cost = measure_verify_cost(target.backend, tree_config.max_nodes)
+        cost = measure_verify_cost(target.backend, tree_config.max_nodes, aux_layers=chosen.feature_layers)
     else:
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()

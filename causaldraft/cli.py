@@ -19,7 +19,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
-    parser.add_argument("--drafter", default=default_drafter, help="none, lookup, draft, medusa, markov")
+    parser.add_argument("--drafter", default=default_drafter, help="none, lookup, draft, medusa, markov, eagle3")
     parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind)
     add_draft_options(parser)
 
@@ -33,7 +33,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
     parser.add_argument("--draft-model", default=None, help="local draft model path (same vocabulary)")
     parser.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
-    parser.add_argument("--heads", default=None, help="trained heads directory (markov/medusa)")
+    parser.add_argument("--heads", default=None, help="trained drafter directory (markov/medusa/eagle3)")
     parser.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
     parser.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
     parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
@@ -98,6 +98,18 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from causaldraft.export import export_eagle3
+    from causaldraft.models.loading import load_model
+
+    target = load_model(args.model, "native", "bfloat16")
+    out = export_eagle3(Path(args.directory), target, Path(args.out), args.verifier)
+    print(json.dumps({"exported": str(out), "format": args.format}))
+    return 0
+
+
 def run_show_tree(args: argparse.Namespace) -> int:
     from causaldraft.inspect import show_tree
 
@@ -126,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(show)
     add_drafter_flags(show, default_drafter="lookup")
     show.set_defaults(func=run_show_tree)
+
+    export = commands.add_parser("export-heads", help="write a trained eagle3 drafter for vLLM (speculators layout)")
+    export.add_argument("directory", help="trained eagle3 directory (causaldraft train-heads --heads eagle3)")
+    export.add_argument("--format", choices=("eagle3",), default="eagle3")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument("--model", default="default", help="the target the drafter was trained for")
+    export.add_argument("--verifier", default=None, help="target name for vLLM (default: its local checkpoint dir)")
+    export.set_defaults(func=run_export)
 
     for name, module in (("bench", "causaldraft.bench.cli"), ("train-heads", "causaldraft.train.cli"),
                          ("serve", "causaldraft.serve.cli")):  # fmt: skip

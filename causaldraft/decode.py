@@ -17,7 +17,7 @@ from causaldraft.adapt import AdaptState, VerifyCost, choose_budget, draft_limit
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import Backend, Cache
+from causaldraft.models.base import Backend, Cache, ForwardOutput
 from causaldraft.sampling import warp_probs
 from causaldraft.tree import TreeDraft, compile_tree, full_mask, prune
 from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
@@ -64,12 +64,15 @@ class GenerationStats:
             self.depth_accepts[depth] += int(depth < step.accepted)
 
     def summary(self) -> dict[str, float | int]:
+        steps = max(1, len(self.steps))
         return {
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "mean_accepted": round(self.mean_accepted, 4),
             "wall_s": round(self.wall_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "draft_ms_per_step": round(1000 * sum(step.draft_s for step in self.steps) / steps, 3),
+            "verify_ms_per_step": round(1000 * sum(step.verify_s for step in self.steps) / steps, 3),
         }
 
 
@@ -111,12 +114,15 @@ def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator:
     state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
     started = time.perf_counter()
     count = len(prompt) - 1
+    features = None
     if count:
         tokens = torch.tensor(prompt[:-1], dtype=torch.long)
         mask = torch.ones(count, count, dtype=torch.bool).tril()
-        out = decoder.target.forward(tokens, torch.arange(count), mask, cache, torch.tensor([count - 1]))
-        state.hidden = out.hidden[-1]
-    decoder.drafter.start(tuple(prompt))
+        out = decoder.target.forward(
+            tokens, torch.arange(count), mask, cache, torch.tensor([count - 1]), decoder.drafter.feature_layers
+        )
+        state.hidden, features = out.hidden[-1], out.aux
+    decoder.drafter.start(tuple(prompt), features)
     state.stats.prefill_s = time.perf_counter() - started
     return state
 
@@ -152,27 +158,33 @@ def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling
 
 def verify_step(
     decoder: Decoder, state: DecodeState, draft: Draft, sampling: SamplingConfig
-) -> tuple[Acceptance, torch.Tensor]:
-    """One target pass over the tree; returns the acceptance and the hidden states [n, hidden]."""
+) -> tuple[Acceptance, ForwardOutput]:
+    """One target pass over the tree; returns the acceptance and the pass's output (hidden
+    states [n, hidden], and the drafter's features [n, F] when it reads them)."""
     compiled = compile_tree(draft.tree)
     length = state.cache.length
     tokens = torch.tensor(draft.tree.tokens, dtype=torch.long)
-    out = decoder.target.forward(tokens, compiled.depths + length, full_mask(compiled, length), state.cache)
+    out = decoder.target.forward(
+        tokens, compiled.depths + length, full_mask(compiled, length), state.cache,
+        aux_layers=decoder.drafter.feature_layers,
+    )  # fmt: skip
     if sampling.greedy:
-        return verify_greedy(draft.tree, out.logits), out.hidden
+        return verify_greedy(draft.tree, out.logits), out
     target_probs = warp_probs(out.logits, sampling)
     if decoder.decode.acceptance == "naive":
-        return verify_naive(draft.tree, target_probs, state.generator), out.hidden
-    return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator), out.hidden
+        return verify_naive(draft.tree, target_probs, state.generator), out
+    return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator), out
 
 
-def commit_step(state: DecodeState, prefix_length: int, acceptance: Acceptance, hidden: torch.Tensor) -> None:
+def commit_step(state: DecodeState, prefix_length: int, acceptance: Acceptance, out: ForwardOutput) -> torch.Tensor | None:
     """Keep the KV entries of the accepted path (root included); the final token is the next root.
 
-    hidden: [n, hidden] from the verify pass; the accepted path's last node predicted that token.
+    out.hidden: [n, hidden] from the verify pass; the accepted path's last node predicted that
+    token. Returns the accepted path's features [len(path), F] (None without features).
     """
     state.cache.commit([prefix_length + node for node in acceptance.path], prefix_length)
-    state.hidden = hidden[acceptance.path[-1]]
+    state.hidden = out.hidden[acceptance.path[-1]]
+    return None if out.aux is None else out.aux[list(acceptance.path)]
 
 
 def decode_steps(
@@ -188,11 +200,11 @@ def decode_steps(
         draft = draft_step(decoder, state, adapt, sampling)
         drafted_at = time.perf_counter()
         prefix_length = state.cache.length
-        acceptance, hidden = verify_step(decoder, state, draft, sampling)
+        acceptance, out = verify_step(decoder, state, draft, sampling)
         verified_at = time.perf_counter()
-        commit_step(state, prefix_length, acceptance, hidden)
+        features = commit_step(state, prefix_length, acceptance, out)
         emitted = accept_tokens(decoder, state, list(acceptance.tokens), max_new_tokens)
-        result = StepResult(draft, acceptance, tuple(state.tokens))
+        result = StepResult(draft, acceptance, tuple(state.tokens), features)
         decoder.drafter.observe(result)
         accepted = len(acceptance.path) - 1
         step = StepStats(draft.tree.size, accepted, drafted_at - started, verified_at - drafted_at, adapt.speculating)

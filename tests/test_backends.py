@@ -166,3 +166,28 @@ def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: P
     expected = plain.generate(longer, max_new_tokens=30).token_ids
     assert spec.generate(longer, max_new_tokens=30).token_ids == expected
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_gpt2_dir", "tiny_llama_dir"])
+def test_hf_backend_through_the_real_engine_commits_and_rolls_back(model_dir: str, request: pytest.FixtureRequest) -> None:
+    """Loading with calibration rolls the hf cache back after every timed pass, and tree steps
+    commit accepted slots: both through transformers' cache as installed (a release once changed
+    what ``DynamicCache.crop`` means and broke this path unnoticed)."""
+    import causaldraft
+
+    directory = str(request.getfixturevalue(model_dir))
+    plain = causaldraft.load(directory, backend="hf", dtype="float32", drafter="none", calibrate=True)
+    expected = plain.generate("abcabcabc abcabc", max_new_tokens=24).token_ids
+    spec = causaldraft.load(directory, backend="hf", dtype="float32", drafter="lookup", tree="static",
+                            calibrate=True, fallback=False)  # fmt: skip
+    result = spec.generate("abcabcabc abcabc", max_new_tokens=24)
+    assert result.token_ids == expected
+    assert max(step.nodes for step in result.stats.steps) > 1
+    cache = spec.model.backend.new_cache(16)
+    spec.model.backend.forward(torch.arange(5), torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril(), cache)
+    cache.rollback(3)
+    out = spec.model.backend.forward(torch.tensor([7]), torch.tensor([3]), torch.ones(1, 4, dtype=torch.bool), cache)
+    fresh = spec.model.backend.new_cache(16)
+    tokens = torch.tensor([0, 1, 2, 7])
+    reference = spec.model.backend.forward(tokens, torch.arange(4), torch.ones(4, 4, dtype=torch.bool).tril(), fresh)
+    assert (out.logits[0] - reference.logits[-1]).abs().max() < 1e-4

@@ -26,6 +26,7 @@ from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.quant import Int8Linear
+from causaldraft.tree import Tree
 
 PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
 
@@ -163,3 +164,36 @@ def test_int8_drafting_agrees_with_bf16_drafting(tiny: LoadedModel, tmp_path: Pa
         context = DraftContext((5, 6, 7), hidden, "chain", 3, 1, 4, SamplingConfig(), None)
         same += bf16.propose(context).tree.tokens == int8.propose(context).tree.tokens
     assert same >= 16, same
+
+
+@pytest.mark.parametrize("kind", ["markov", "medusa"])
+def test_drafting_feeds_every_head_as_training_does(tiny: LoadedModel, tmp_path: Path, kind: str) -> None:
+    """Along the true continuation, the drafter's depth-k candidates equal the trainer's head-k
+    logits on the same row: path tokens, states and output norms are fed identically for every
+    head, the last one included."""
+    from causaldraft.train.features import Features, sequence_features
+    from causaldraft.train.trainer import draft_index, head_logits, make_batch
+
+    heads = load_heads(random_heads_dir(tiny, kind, tmp_path / kind), tiny.backend)
+    prompt = tiny.tokenizer.encode(PROMPTS[1])
+    response = load(loaded=tiny, drafter="none", calibrate=False).generate(prompt, max_new_tokens=12).token_ids
+    with torch.inference_mode():
+        item = sequence_features(tiny.backend, prompt, response, 4)
+    rows = item["tokens"].shape[0]
+    features = Features(item["tokens"].long(), item["hidden"].float(), item["topk_ids"].long(),
+                        item["topk_logprobs"].float(), torch.full((rows,), rows - 1), 1)  # fmt: skip
+    embed = tiny.backend.embed(torch.arange(259)).float()
+    row = 1
+    batch = make_batch(features, torch.tensor([row]), embed, draft_index(heads.vocab_ids, 259), heads.config.num_heads)
+    with torch.no_grad():
+        trained = [torch.softmax(logits[0], dim=-1) for logits in head_logits(heads, batch)]
+    drafter = HeadsDrafter(heads, tiny.backend, lookup_merge=False)
+    path = features.tokens[row + 1 : row + 1 + heads.config.num_heads].tolist()  # root, then the true tokens
+    context = DraftContext(tuple(path[:1]), features.hidden[row], "chain", 4, 1, 8, SamplingConfig(), None)
+    expand = drafter.expander(context)
+    tree = Tree.chain(path)
+    with torch.no_grad():
+        for depth in range(heads.config.num_heads):
+            [[(token, prob)]] = expand(tree, [depth])
+            assert token == int(heads.vocab_ids[int(trained[depth].argmax())]), depth
+            assert prob == pytest.approx(float(trained[depth].max()), rel=2e-2), depth  # drafting reads bf16 rows

@@ -17,7 +17,7 @@ DEFAULT_OUT = "bench-out"
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = commands.add_parser("bench", help="compare methods on a Spec-Bench / MT-bench prompt file")
     bench.add_argument("--prompts", required=True, help="jsonl with question_id, category, turns")
-    methods = "comma-separated: hf, hf-lookup, ar, llamacpp, lookup|draft|medusa|markov[:chain|static|dynamic]"
+    methods = "comma-separated: hf, hf-lookup, ar, llamacpp, lookup|draft|medusa|markov|eagle3[:chain|static|dynamic]"
     bench.add_argument("--methods", required=True, help=methods)
     add_model_flags(bench)
     bench.add_argument("--temperature", type=float, default=0.0)

@@ -70,8 +70,12 @@ def ratio(value: float, baseline: float | None) -> float | None:
 def metrics(records: list[TurnRecord], hf: Totals | None, ar: Totals | None, ar_records: list[TurnRecord] | None,
             greedy: bool) -> dict[str, object]:  # fmt: skip
     total = totals(records)
+    steps = [step for record in records for step in record.output.steps]
+    per_step = 1000 / max(1, len(steps))
     return {
         "tokens_per_s": round(total.tokens_per_s, 3),
+        "draft_ms_per_step": round(per_step * sum(step.draft_s for step in steps), 3),
+        "verify_ms_per_step": round(per_step * sum(step.verify_s for step in steps), 3),
         "mean_accepted": round(total.mean_accepted, 4),
         "speedup_vs_hf": ratio(total.tokens_per_s, hf.tokens_per_s if hf else None),
         "speedup_vs_ar": ratio(total.tokens_per_s, ar.tokens_per_s if ar else None),

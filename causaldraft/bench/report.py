@@ -19,8 +19,8 @@ from causaldraft.bench.metrics import summarize
 from causaldraft.bench.plots import plot_acceptance_by_depth, plot_accepted_lengths, plot_budgets, plot_speedups
 
 LIBRARIES = ("causaldraft", "torch", "transformers", "tokenizers", "numpy", "matplotlib", "llama-cpp-python")
-COLUMNS = ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar", "exact_match_vs_ar", "new_tokens",
-           "turns")  # fmt: skip
+COLUMNS = ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar", "exact_match_vs_ar",
+           "draft_ms_per_step", "verify_ms_per_step", "new_tokens", "turns")  # fmt: skip
 
 
 def command_line(config: BenchConfig) -> str:

@@ -45,13 +45,18 @@ class StepResult:
     draft: Draft
     acceptance: Acceptance
     tokens: tuple[int, ...]  # the whole sequence after the step; the last one is the new root
+    # [len(acceptance.path), F] target features (inputs of ``feature_layers``) of the accepted
+    # path's nodes, root first; None unless the drafter asked for features
+    features: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
     name: str
+    feature_layers: tuple[int, ...]  # target layers whose inputs the drafter reads; () = none
 
-    def start(self, prompt: tuple[int, ...]) -> None:
-        """A new sequence begins; reset any per-sequence state."""
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
+        """A new sequence begins; reset any per-sequence state. ``features``: [len(prompt) - 1, F]
+        of the cached prompt positions when ``feature_layers`` is set (None for a 1-token prompt)."""
 
     def propose(self, context: DraftContext) -> Draft: ...
 
@@ -62,8 +67,9 @@ class NoDrafter:
     """Plain decoding: every step verifies only the root."""
 
     name = "none"
+    feature_layers: tuple[int, ...] = ()
 
-    def start(self, prompt: tuple[int, ...]) -> None:
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
         return None
 
     def propose(self, context: DraftContext) -> Draft:

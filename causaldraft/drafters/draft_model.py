@@ -20,6 +20,8 @@ from causaldraft.tree import Candidates, Tree, build_tree
 
 
 class DraftModelDrafter:
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, model: Backend, name: str = "draft", max_len: int = 8192) -> None:
         self.model = model
         self.name = name
@@ -27,7 +29,7 @@ class DraftModelDrafter:
         self.cache: Cache = model.new_cache(max_len)
         self.context: tuple[int, ...] = ()  # tokens whose entries are in the draft cache
 
-    def start(self, prompt: tuple[int, ...]) -> None:
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         self.cache.rollback(0)
         self.context = ()
 

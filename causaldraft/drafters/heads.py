@@ -184,6 +184,8 @@ def load_heads(directory: Path, backend: Backend, kind: str | None = None) -> Dr
 class HeadsDrafter:
     """Grows chain/static/dynamic trees from the heads, optionally merged with prompt lookup."""
 
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, heads: DraftHeads, backend: Backend, lookup_merge: bool = True, int8: bool = False) -> None:
         """``int8``: the output projection in int8 per row (for quantized targets; measured
         [3, 576] x [576, 8192]: 226 us vs 252 us in bf16, 145 vs 234 us for one row)."""
@@ -198,7 +200,7 @@ class HeadsDrafter:
         )  # [m, hidden] bf16 -> [m, V'] logits
         self.last_lookup: tuple[int, ...] = ()
 
-    def start(self, prompt: tuple[int, ...]) -> None:
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         if self.lookup is not None:
             self.lookup.start(prompt)
         self.last_lookup = ()

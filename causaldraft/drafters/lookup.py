@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.tree import TreeDraft, merge_paths
 
 
 class LookupDrafter:
     name = "lookup"
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram = max_ngram
@@ -26,7 +29,7 @@ class LookupDrafter:
         self.first_rate = 0.5  # P(first proposed token accepted)
         self.continue_rate = 0.7  # P(token k+1 accepted | tokens 1..k accepted)
 
-    def start(self, prompt: tuple[int, ...]) -> None:
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         self.index = defaultdict(list)
         self.indexed = 0
 

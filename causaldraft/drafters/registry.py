@@ -18,7 +18,7 @@ from causaldraft.models.native import NativeLlama
 class DrafterOptions:
     draft_model: str | None = None  # local path of a separate draft model (same vocabulary)
     draft_layers: int = 4  # self-draft: how many of the target's first layers
-    heads: str | None = None  # trained heads directory (markov / medusa); None = shipped default
+    heads: str | None = None  # trained heads directory (markov / medusa / eagle3); None = shipped default
     lookup_merge: bool = True  # merge prompt-lookup candidates into head trees
     draft_dtype: str | None = None  # dtype of a separate draft model; None = the target's
 
@@ -56,12 +56,19 @@ def build_heads(kind: str) -> Callable[[LoadedModel, DrafterOptions, str], Draft
     return build
 
 
+def build_eagle3(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+    from causaldraft.drafters.eagle3 import load_eagle3_drafter
+
+    return load_eagle3_drafter(target, options)
+
+
 DRAFTERS: dict[str, Callable[[LoadedModel, DrafterOptions, str], Drafter]] = {
     "none": build_none,
     "lookup": build_lookup,
     "draft": build_draft,
     "medusa": build_heads("medusa"),
     "markov": build_heads("markov"),
+    "eagle3": build_eagle3,
 }
 
 

@@ -22,6 +22,7 @@ class ModelShape:
 class ForwardOutput:
     logits: torch.Tensor  # [rows, vocab] float32 (rows = all new tokens, or the requested rows)
     hidden: torch.Tensor  # [n, hidden] last-layer hidden states (after the final norm)
+    aux: torch.Tensor | None = None  # [n, len(aux_layers) * hidden] inputs of the requested layers
 
 
 class Cache(Protocol):
@@ -53,6 +54,8 @@ class Backend(Protocol):
         mask: torch.Tensor,  # [n, cache.length + n] bool, True = may attend
         cache: Cache,
         logits_rows: torch.Tensor | None = None,  # [m] long rows of the new tokens to score; None = all
+        aux_layers: tuple[int, ...] = (),  # layers whose inputs to return as ``aux`` (num_layers: the last
+        # layer's output before the final norm); feature drafters ask for them
     ) -> ForwardOutput: ...
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]

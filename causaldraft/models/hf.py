@@ -47,9 +47,16 @@ class HFCache:
         self.length = start + len(slots)
 
     def rollback(self, length: int) -> None:
+        """Keep the first ``length`` entries (sliced here rather than by ``DynamicCache.crop``,
+        whose meaning changed between transformers releases)."""
         if length < 0 or length > self.length:
             raise ValueError(f"cannot roll back to {length} from {self.length}")
-        self.inner.crop(length)
+        for cache_layer in self.inner.layers:
+            layer = cast(Any, cache_layer)
+            if layer.keys is None or layer.values is None:
+                continue
+            layer.keys = layer.keys[..., :length, :]  # [1, kvh, length, hd]
+            layer.values = layer.values[..., :length, :]
         self.length = length
 
 
@@ -91,6 +98,7 @@ class HFBackend:
         mask: torch.Tensor,  # [n, cache.length + n] bool
         cache: Cache,
         logits_rows: torch.Tensor | None = None,
+        aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         if not isinstance(cache, HFCache):
             raise TypeError("the hf backend needs its own HFCache (new_cache)")
@@ -109,4 +117,7 @@ class HFBackend:
         logits = out.logits[0].float()  # [n, vocab]
         if logits_rows is not None:
             logits = logits.index_select(0, logits_rows)
-        return ForwardOutput(logits=logits, hidden=hidden)
+        # hidden_states[i] is the input of layer i (the last one is after the final norm)
+        states = out.hidden_states
+        aux = torch.cat([states[i][0] for i in aux_layers], dim=-1) if aux_layers else None
+        return ForwardOutput(logits=logits, hidden=hidden, aux=aux)

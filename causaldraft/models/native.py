@@ -293,16 +293,23 @@ class NativeLlama(nn.Module):
         slots: torch.Tensor,  # [n]
         keys: list[torch.Tensor],  # per layer [kvh, capacity, hd]
         values: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Embeddings through the layers and the final norm: hidden states [n, hidden]."""
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embeddings through the layers and the final norm: hidden states [n, hidden], and the
+        inputs of ``aux_layers`` concatenated [n, len(aux_layers) * hidden] (None if none asked)."""
         x = self.embed_tokens(tokens)  # [n, hidden]
         cos, sin = self.rope(positions)
+        aux: list[torch.Tensor] = []
         for index, module in enumerate(self.layers):
+            if index in aux_layers:
+                aux.append(x)
             layer = cast(DecoderLayer, module)
             attn_in = layer.input_layernorm(x)
             x = x + layer.self_attn(attn_in, cos, sin, mask, keys[index], values[index], slots)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+        if len(self.layers) in aux_layers:
+            aux.append(x)
+        return self.norm(x), (torch.cat(aux, dim=-1) if aux else None)
 
     def compile(self, buckets: tuple[int, ...] | None = None) -> None:  # type: ignore[override]
         """Compile ``body`` with torch.compile (inductor, frozen weights): one graph per bucket
@@ -349,6 +356,7 @@ class NativeLlama(nn.Module):
         mask: torch.Tensor,  # [n, cache.length + n] bool
         cache: Cache,
         logits_rows: torch.Tensor | None = None,  # [m]
+        aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         if not isinstance(cache, KVCache):
             raise TypeError("the native backend needs its own KVCache (new_cache)")
@@ -358,13 +366,15 @@ class NativeLlama(nn.Module):
         with torch.no_grad():
             if bucket is None or self.compiled_body is None:
                 slots = torch.arange(cache.length, cache.length + n)
-                hidden = self.body(tokens, positions, mask, slots, cache.keys, cache.values)
+                hidden, aux = self.body(tokens, positions, mask, slots, cache.keys, cache.values, aux_layers)
             else:
-                hidden = self.compiled_body(*pad_to_bucket(tokens, positions, mask, cache, bucket))[:n]
+                padded = pad_to_bucket(tokens, positions, mask, cache, bucket)
+                hidden, aux = self.compiled_body(*padded, aux_layers)
+                hidden, aux = hidden[:n], (aux[:n] if aux is not None else None)
         cache.append(n)
         scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         logits = self.lm_head(scored).float()  # [m, vocab]
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
 
 
 def pad_to_bucket(

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from causaldraft.drafters.heads import HEAD_KINDS
 from causaldraft.train.data import GenerationConfig
+from causaldraft.train.eagle3_recipe import Eagle3Recipe, run_eagle3_recipe
+from causaldraft.train.eagle3_train import Eagle3TrainConfig
+from causaldraft.train.feature_data import FeatureGenConfig
 from causaldraft.train.recipe import Recipe, run_recipe
 from causaldraft.train.trainer import TrainConfig
 
@@ -20,7 +23,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser = commands.add_parser("train-heads", help="train markov/medusa draft heads by self-distillation")
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompts", nargs="+", required=True, type=Path, help="prompt files (.json/.jsonl/.txt)")
-    parser.add_argument("--heads", choices=HEAD_KINDS, default="markov")
+    parser.add_argument("--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov")
     parser.add_argument("--num-heads", type=int, default=recipe.num_heads)
     parser.add_argument("--draft-vocab", type=int, default=recipe.draft_vocab)
     parser.add_argument("--tokens", type=int, default=generation.tokens, help="response tokens to generate")
@@ -34,10 +37,16 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--gen-batch-size", type=int, default=generation.batch_size)
     parser.add_argument("--threads", type=int, default=generation.threads, help="torch threads for data passes")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=recipe.dtype)
+    eagle = Eagle3TrainConfig()
+    parser.add_argument("--epochs", type=float, default=eagle.epochs, help="eagle3: passes over the data")
+    parser.add_argument("--ttt-steps", type=int, default=eagle.steps, help="eagle3: unrolled draft depths trained")
+    parser.add_argument("--rows-per-batch", type=int, default=eagle.rows_per_batch, help="eagle3: rows per step")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.heads == "eagle3":
+        return run_eagle3(args)
     generation = GenerationConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
                                   batch_size=args.gen_batch_size, threads=args.threads)  # fmt: skip
     training = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
@@ -47,5 +56,26 @@ def run(args: argparse.Namespace) -> int:
         generation=generation, training=training, command=shlex.join(["causaldraft", *sys.argv[1:]]),
     )  # fmt: skip
     summary = run_recipe(recipe)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def run_eagle3(args: argparse.Namespace) -> int:
+    """eagle3 keeps the heads' flags; --steps and --batch-size (heads only) are replaced by
+    --epochs and --rows-per-batch, --lr is shared."""
+    defaults = Eagle3TrainConfig()
+    batch = args.gen_batch_size if args.gen_batch_size != GenerationConfig().batch_size else None
+    generation = FeatureGenConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
+                                  batch_size=batch or FeatureGenConfig().batch_size,
+                                  threads=max(args.threads, 2))  # fmt: skip
+    lr = args.lr if args.lr != TrainConfig().lr else defaults.lr
+    training = Eagle3TrainConfig(epochs=args.epochs, rows_per_batch=args.rows_per_batch, steps=args.ttt_steps,
+                                 lr=lr, seed=args.seed)  # fmt: skip
+    recipe = Eagle3Recipe(
+        model=args.model, prompts=tuple(args.prompts), out=args.out, draft_vocab=args.draft_vocab, work=args.work,
+        dtype=args.dtype, generation=generation, training=training,
+        command=shlex.join(["causaldraft", *sys.argv[1:]]),
+    )  # fmt: skip
+    summary = run_eagle3_recipe(recipe)
     print(json.dumps(summary, indent=2))
     return 0

@@ -1,0 +1,220 @@
+"""The ``eagle3`` drafter: the EAGLE-3 draft layer grows a tree level by level with its own KV cache.
+
+Draft cache (one layer, rows = rope positions): rows 0 .. T-1 mirror the target's committed prefix
+(row p: token x_{p+1}, hidden fc(a_p) from the target's features). Features arrive after each
+step for the accepted path (root and accepted nodes) and at prefill for the prompt; they wait in
+``pending`` until the next ``propose`` runs them through the layer in one pass, so steps that do
+not speculate (fallback) cost nothing here. The last prefix row (token = the root) predicts the
+root's children.
+
+Drafting a tree: the nodes of depth d >= 1 are one pass of the layer, each node a row at position
+T - 1 + d with its own token and its parent row's output as hidden, attending to the prefix and
+to its ancestors' rows (tree mask), written after the prefix. They are discarded by the next
+catch-up, which overwrites them: rollback is just the prefix length.
+
+Worked example (T = 10, root r, depth-1 nodes a, b, depth-2 node c under a): rows 0..9 hold the
+prefix (row 9 has token r). Level 1: rows 10 (a) and 11 (b), both at position 10, hidden = output
+of row 9; mask: columns 0..9 and their own column. Level 2: row 12 (c) at position 11, hidden =
+output of row 10; columns 0..9, 10 and 12. If the target then accepts a and emits bonus y, the
+pending rows are 10 (token a, features of r) and 11 (token y, features of a): the catch-up
+overwrites rows 10 and 11, and row 11's output proposes y's children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from causaldraft.drafters.base import Draft, DraftContext, StepResult
+from causaldraft.drafters.eagle3_model import Eagle3Layer, default_aux_layers, load_layer, read_config
+from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import Backend
+from causaldraft.models.quant import Int8Linear, quantize_int8
+from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
+
+INITIAL_ROWS = 1024
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+
+    def __init__(self, layer: Eagle3Layer, backend: Backend, lookup_merge: bool = True, int8: bool = False) -> None:
+        """``int8``: output projection in int8 per row (for quantized targets, as the heads do)."""
+        self.layer = layer
+        self.backend = backend
+        self.feature_layers = layer.config.aux_layers
+        self.lookup = LookupDrafter() if lookup_merge else None
+        c = layer.config
+        self.keys = torch.zeros(c.kv_heads, INITIAL_ROWS, c.head_dim, dtype=layer.dtype)  # [kvh, rows, hd]
+        self.values = torch.zeros_like(self.keys)
+        self.committed = 0  # prefix rows in the cache
+        self.pending_tokens: list[int] = []  # tokens x_{p+1} of the rows waiting to be run
+        self.pending_features: list[torch.Tensor] = []  # their features, [m, F] chunks
+        self.root_out: torch.Tensor | None = None  # [h] output of the last prefix row
+        self.project: Callable[[torch.Tensor], torch.Tensor] = (
+            Int8Linear(quantize_int8(layer.lm_head.weight.detach()), None) if int8 else layer.lm_head
+        )  # [m, h] -> [m, V']
+        self.last_lookup: tuple[int, ...] = ()
+
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
+        self.committed = 0
+        self.root_out = None
+        self.pending_tokens, self.pending_features = [], []
+        if features is not None:
+            self.queue(prompt[1:], features)
+        if self.lookup is not None:
+            self.lookup.start(prompt)
+        self.last_lookup = ()
+
+    def queue(self, tokens: tuple[int, ...] | list[int], features: torch.Tensor) -> None:
+        """Rows for the next target positions: features [m, F] and the m tokens that follow them."""
+        if features.shape[0] != len(tokens):
+            raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} tokens")
+        self.pending_tokens.extend(tokens)
+        self.pending_features.append(features)
+
+    def ensure_rows(self, rows: int) -> None:
+        if rows <= self.keys.shape[1]:
+            return
+        size = max(rows, 2 * self.keys.shape[1])
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = torch.zeros(old.shape[0], size, old.shape[2], dtype=old.dtype)
+            grown[:, : old.shape[1]] = old
+            setattr(self, name, grown)
+
+    def catch_up(self) -> None:
+        """Run the pending prefix rows (one causal pass); the last one's output proposes children."""
+        if not self.pending_tokens:
+            return
+        count, start = len(self.pending_tokens), self.committed
+        self.ensure_rows(start + count + 1)
+        features = torch.cat(self.pending_features).to(self.layer.dtype)  # [m, F]
+        tokens = torch.tensor(self.pending_tokens, dtype=torch.long)
+        mask = torch.ones(count, start + count, dtype=torch.bool)
+        mask[:, start:] = torch.ones(count, count, dtype=torch.bool).tril()
+        rows = torch.arange(start, start + count)
+        out = self.layer.step(
+            self.backend.embed(tokens).to(self.layer.dtype), self.layer.fc(features), rows, mask,
+            self.keys, self.values, rows,
+        )  # fmt: skip
+        self.root_out = out[-1]
+        self.committed += count
+        self.pending_tokens, self.pending_features = [], []
+
+    def propose(self, context: DraftContext) -> Draft:
+        with torch.inference_mode():
+            self.catch_up()
+        if self.root_out is None or self.committed != len(context.tokens) - 1:
+            return Draft.root_only(context.tokens[-1])
+        paths = self.lookup_paths(context)
+        reserve = len({path[:end] for path in paths for end in range(1, len(path) + 1)})
+        budget = max(2, context.max_nodes - reserve)
+        with torch.inference_mode():
+            expand = self.expander(context)
+            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
+        if self.lookup is not None:
+            for rank, path in enumerate(paths):
+                for end in range(1, len(path) + 1):
+                    merge_paths(draft, [path[:end]], self.lookup.score(end - 1, rank), context.max_nodes)
+        return Draft.from_tree_draft(draft, "deterministic")
+
+    def lookup_paths(self, context: DraftContext) -> list[tuple[int, ...]]:
+        if self.lookup is None:
+            self.last_lookup = ()
+            return []
+        limit = 1 if context.tree_kind == "chain" else 2
+        paths = self.lookup.continuations(context.tokens, context.depth, limit)
+        self.last_lookup = paths[0] if paths else ()
+        return paths
+
+    def expander(self, context: DraftContext) -> Callable[[Tree, list[int]], list[Candidates]]:
+        """The tree builder's expand(tree, nodes): one layer pass per call over the given nodes
+        (all of one depth), then each node's top children."""
+        layer = self.layer
+        count = 1 if context.tree_kind == "chain" else context.width
+        assert self.root_out is not None
+        outputs: dict[int, torch.Tensor] = {0: self.root_out}  # node -> its row's output [h]
+        slots: dict[int, int] = {0: self.committed - 1}  # node -> its cache row
+        depths: dict[int, int] = {0: 0}
+        written = self.committed
+
+        def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
+            nonlocal written
+            fresh = [node for node in nodes if node not in outputs]
+            if fresh:
+                for node in fresh:
+                    depths[node] = depths[tree.parents[node]] + 1
+                self.ensure_rows(written + len(fresh) + 1)
+                rows = torch.arange(written, written + len(fresh))
+                mask = torch.zeros(len(fresh), written + len(fresh), dtype=torch.bool)
+                mask[:, : self.committed] = True
+                for row, node in enumerate(fresh):
+                    slots[node] = written + row
+                    ancestor = node
+                    while ancestor != 0:
+                        mask[row, slots[ancestor]] = True
+                        ancestor = tree.parents[ancestor]
+                tokens = torch.tensor([tree.tokens[node] for node in fresh], dtype=torch.long)
+                hidden = torch.stack([outputs[tree.parents[node]] for node in fresh])  # [m, h]
+                positions = torch.tensor([self.committed - 1 + depths[node] for node in fresh])
+                embeds = self.backend.embed(tokens).to(layer.dtype)
+                out = layer.step(embeds, hidden, positions, mask, self.keys, self.values, rows)
+                for row, node in enumerate(fresh):
+                    outputs[node] = out[row]
+                written += len(fresh)
+            states = torch.stack([outputs[node] for node in nodes])  # [m, h]
+            probs = torch.softmax(self.project(layer.norm(states)).float(), dim=-1)  # [m, V']
+            top = torch.topk(probs, count, dim=-1)
+            ids = layer.vocab_ids[top.indices].tolist()
+            values = top.values.tolist()
+            return [list(zip(ids[row], values[row], strict=True)) for row in range(len(nodes))]
+
+        return expand
+
+    def observe(self, result: StepResult) -> None:
+        if result.features is not None:
+            self.queue(result.acceptance.tokens, result.features)
+        if not self.last_lookup or self.lookup is None:
+            return
+        emitted = result.acceptance.tokens
+        matched = 0
+        while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
+            matched += 1
+        self.lookup.record(matched, len(self.last_lookup))
+
+
+def default_eagle3_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "heads" / "default" / "eagle3"
+
+
+def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-untyped-def]
+    """The registry's constructor: options.heads, or the shipped layer for the default model."""
+    from causaldraft.drafters.heads import base_fingerprint
+
+    fingerprint = base_fingerprint(target.backend)
+    if options.heads is not None:
+        directory = Path(options.heads).expanduser()
+        if not directory.is_dir():
+            raise CausalDraftError(f"eagle3 directory {directory} does not exist")
+    else:
+        directory = default_eagle3_dir()
+        shipped = (directory / "eagle3_config.json").is_file()
+        if not shipped or read_config(directory)[0].fingerprint != fingerprint:
+            raise CausalDraftError(
+                "no trained eagle3 drafter for this model; pass --heads DIR (see causaldraft train-heads "
+                "--heads eagle3) or use --drafter lookup"
+            )
+    shape = target.backend.shape
+    layer = load_layer(directory, fingerprint, shape.vocab_size, shape.hidden_size)
+    if max(layer.config.aux_layers) > shape.num_layers:
+        raise CausalDraftError(f"eagle3 aux layers {layer.config.aux_layers} exceed the target's {shape.num_layers}")
+    quantized = bool(getattr(target.backend, "quantized", False))
+    dtype = torch.bfloat16 if quantized else target.backend.dtype
+    return Eagle3Drafter(layer.cast(dtype), target.backend, options.lookup_merge, int8=quantized)
+
+
+__all__ = ["Eagle3Drafter", "default_aux_layers", "load_eagle3_drafter"]

@@ -1,0 +1,127 @@
+"""``train-heads --heads eagle3``: generate (with features) -> train with TTT -> evaluate -> save.
+
+The work directory holds the generated sequences and features (``eagle3-data``, resumable shard by
+shard) and the training checkpoint (resumable every ``checkpoint_every`` steps), so a killed run
+picks up where it stopped. Timings are reported per phase, including the generation time spent by
+earlier runs on the same data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from causaldraft.drafters.eagle3_model import Eagle3Config, default_aux_layers, new_layer, save_layer
+from causaldraft.drafters.heads import base_fingerprint
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import LoadedModel, causaldraft_home, load_model
+from causaldraft.models.native import NativeLlama
+from causaldraft.train.eagle3_train import (
+    Eagle3TrainConfig,
+    draft_vocabulary,
+    evaluate_layer,
+    load_sequences,
+    split_sequences,
+    train_layer,
+)
+from causaldraft.train.feature_data import FeatureGenConfig, generate_features
+
+
+@dataclass(frozen=True)
+class Eagle3Recipe:
+    model: str
+    prompts: tuple[Path, ...]
+    out: Path
+    draft_vocab: int = 8192
+    work: Path | None = None
+    dtype: str = "bfloat16"  # of the target while generating
+    eval_every: int = 20
+    generation: FeatureGenConfig = field(default_factory=FeatureGenConfig)
+    training: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab < 16:
+            raise CausalDraftError(f"--draft-vocab must be >= 16, got {self.draft_vocab}")
+
+
+def rope_theta(model_dir: Path) -> float:
+    """The target's rope base; the draft layer uses the same (default) rope."""
+    config = AutoConfig.from_pretrained(str(model_dir))
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise CausalDraftError(f"eagle3 supports the default rope only, not {params.get('rope_type')!r}")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def eagle3_config(loaded: LoadedModel, draft_vocab: int, aux_layers: tuple[int, ...] | None = None) -> Eagle3Config:
+    """The draft layer's shape for a native Llama-family target: its attention and MLP sizes."""
+    backend = loaded.backend
+    if not isinstance(backend, NativeLlama):
+        raise CausalDraftError("eagle3 training needs the native backend")
+    s = backend.llama_shape
+    return Eagle3Config(
+        hidden_size=s.hidden_size, num_heads=s.num_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+        intermediate_size=s.intermediate_size, rms_eps=s.rms_eps, vocab_size=s.vocab_size,
+        draft_vocab=min(draft_vocab, s.vocab_size), aux_layers=aux_layers or default_aux_layers(s.num_layers),
+        target_layers=s.num_layers, rope_theta=rope_theta(loaded.model_dir), max_positions=s.max_positions,
+        fingerprint=base_fingerprint(backend),
+    )  # fmt: skip
+
+
+def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
+    timings: dict[str, float] = {}
+    loaded = load_model(recipe.model, "native", recipe.dtype)
+    backend = loaded.backend
+    assert isinstance(backend, NativeLlama)
+    work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
+    shape = backend.shape
+    aux_layers = default_aux_layers(shape.num_layers)
+    started = time.perf_counter()
+    tokens, generation_seconds = generate_features(
+        backend, loaded.tokenizer, recipe.prompts, work / "eagle3-data", aux_layers, recipe.generation,
+        loaded.fingerprint,
+    )  # fmt: skip
+    timings["generate_s_this_run"] = time.perf_counter() - started
+    timings["generate_s_all_runs"] = generation_seconds
+    torch.set_num_threads(recipe.generation.threads)
+    sequences = load_sequences(work / "eagle3-data")
+    train_set, eval_set = split_sequences(sequences, recipe.eval_every)
+    vocab_ids = draft_vocabulary(train_set, shape.vocab_size, recipe.draft_vocab)
+    config = eagle3_config(loaded, int(vocab_ids.numel()), aux_layers)
+    layer = new_layer(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
+    with torch.inference_mode():
+        embed = backend.embed(torch.arange(shape.vocab_size)).float()  # [vocab, hidden]
+    t = recipe.training
+    checkpoint = work / (
+        f"ckpt-eagle3-v{config.draft_vocab}-s{t.seed}-e{t.epochs}-r{t.rows_per_batch}-t{t.steps}"
+        f"-c{t.context}-lr{t.lr}.pt"
+    )
+    started = time.perf_counter()
+    history = train_layer(layer, train_set, embed, t, checkpoint)
+    timings["train_s_this_run"] = time.perf_counter() - started
+    started = time.perf_counter()
+    evaluation = evaluate_layer(layer, eval_set, embed, t.steps, t.context)
+    timings["evaluate_s"] = time.perf_counter() - started
+    held_tokens = torch.cat([seq.tokens[seq.prompt_length :] for seq in eval_set])
+    summary: dict[str, object] = {
+        "command": recipe.command,
+        "response_tokens": tokens,
+        "sequences": len(sequences),
+        "train_sequences": len(train_set),
+        "eval_sequences": len(eval_set),
+        "ttt_steps": t.steps,
+        "epochs": t.epochs,
+        "optimizer_steps": len(history),
+        "first_loss": round(history[0], 4),
+        "last_loss": round(sum(history[-20:]) / len(history[-20:]), 4),
+        "eval_vocab_coverage": round(float(torch.isin(held_tokens, vocab_ids).float().mean()), 4),
+        "evaluation": evaluation.summary(),
+        "seconds": {name: round(value, 1) for name, value in timings.items()},
+    }
+    save_layer(layer, recipe.out, {"training": summary})
+    return summary

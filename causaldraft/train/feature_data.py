@@ -1,0 +1,257 @@
+"""Self-distillation data with target features, generated in one batched pass.
+
+The target answers the training prompts greedily (its own chat template) in a batch of ``batch_size``
+rows, each row its own sequence: when a row finishes (EOS or ``max_new_tokens``) the next prompt is
+prefilled into it (a few at a time), so the batch stays full. While generating, every fed token's
+auxiliary features (the inputs of the ``aux_layers``, concatenated) and every response token's
+top-k target log-probabilities are kept: no second pass over the data.
+
+One record per sequence of prompt length P and response length R (L = P + R tokens):
+- ``tokens`` [L]: prompt + response (the response ends with EOS unless cut at max_new_tokens);
+- ``features`` [L - 1, len(aux_layers) * hidden]: features of positions 0 .. L-2 (every token the
+  target was fed; the last response token never is);
+- ``topk_ids`` / ``topk_logprobs`` [R, k]: the target's distribution at positions P-1 .. L-2, the
+  one each response token was chosen from.
+Example: prompt [a, b], response [c, EOS] -> tokens [a, b, c, EOS], features of a, b, c, top-k at
+b (for c) and at c (for EOS).
+
+Shards ``shard_XXXXX.pt`` hold whole sequences and the prompt indices they answered; a rerun skips
+those prompts and stops once ``tokens`` response tokens exist (resumable after a kill).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.batched import BatchCache, batched_forward
+from causaldraft.models.native import NativeLlama
+from causaldraft.train.data import encode_prompts, mix_prompts, shard_paths
+
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class FeatureGenConfig:
+    tokens: int = 500_000  # stop after this many response tokens
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 256  # longer prompts are skipped
+    batch_size: int = 48
+    refill: int = 6  # prefill new prompts once this many rows are free
+    top_k: int = 16
+    sequences_per_shard: int = 96
+    seed: int = 0
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        sizes = (self.tokens, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.top_k)
+        if min(sizes) < 1 or not 1 <= self.refill <= self.batch_size or self.sequences_per_shard < 1:
+            raise CausalDraftError("feature generation sizes must be >= 1 (and refill <= batch size)")
+
+
+@dataclass
+class Row:
+    """One batch row's sequence in progress."""
+
+    prompt_index: int
+    tokens: list[int]
+    prompt_length: int
+    features: list[torch.Tensor] = field(default_factory=list)  # [m, F] chunks
+    topk_ids: list[torch.Tensor] = field(default_factory=list)  # [k] per response token
+    topk_logprobs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+
+@dataclass
+class ShardWriter:
+    directory: Path
+    per_shard: int
+    rows: list[Row] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        index = len(shard_paths(self.directory))
+        record = {
+            "prompt_index": torch.tensor([row.prompt_index for row in self.rows]),
+            "lengths": torch.tensor([len(row.tokens) for row in self.rows]),
+            "prompt_lengths": torch.tensor([row.prompt_length for row in self.rows]),
+            "tokens": torch.tensor([token for row in self.rows for token in row.tokens], dtype=torch.int32),
+            "features": torch.cat([chunk for row in self.rows for chunk in row.features]),
+            "topk_ids": torch.stack([ids for row in self.rows for ids in row.topk_ids]).to(torch.int32),
+            "topk_logprobs": torch.stack([lp for row in self.rows for lp in row.topk_logprobs]).half(),
+            "seconds": torch.tensor(self.seconds),
+        }
+        path = self.directory / f"shard_{index:05d}.pt"
+        torch.save(record, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        self.rows, self.seconds = [], 0.0
+
+
+def check_meta(directory: Path, meta: dict[str, object]) -> None:
+    """The work directory must hold data of the same model and features, or none."""
+    path = directory / META_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved != meta:
+            raise CausalDraftError(
+                f"{directory} holds feature data made differently ({saved} vs {meta}); use another --work"
+            )
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def done_prompts(directory: Path) -> tuple[set[int], int, float]:
+    """Prompt indices already answered, their response tokens, and the seconds spent on them."""
+    done: set[int] = set()
+    tokens, seconds = 0, 0.0
+    for path in shard_paths(directory):
+        try:
+            shard = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError) as error:
+            raise CausalDraftError(f"corrupt feature shard {path}: {error}; delete it to regenerate") from error
+        done.update(shard["prompt_index"].tolist())
+        tokens += int((shard["lengths"] - shard["prompt_lengths"]).sum())
+        seconds += float(shard["seconds"])
+    return done, tokens, seconds
+
+
+def top_candidates(model: NativeLlama, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [m, h] -> top-k ids and log-probs [m, k] of the target's next-token distribution."""
+    logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)  # [m, vocab]
+    top = torch.topk(logprobs, top_k, dim=-1)
+    return top.indices, top.values
+
+
+def generate_features(
+    model: NativeLlama,
+    tokenizer,  # type: ignore[no-untyped-def]
+    prompt_files: Sequence[Path],
+    directory: Path,
+    aux_layers: tuple[int, ...],
+    config: FeatureGenConfig,
+    fingerprint: str,
+) -> tuple[int, float]:
+    """Generate (or resume) until ``config.tokens`` response tokens exist; returns (tokens, seconds)."""
+    meta = {"fingerprint": fingerprint, "aux_layers": list(aux_layers), "top_k": config.top_k,
+            "max_new_tokens": config.max_new_tokens, "seed": config.seed}  # fmt: skip
+    check_meta(directory, meta)
+    done, total, seconds = done_prompts(directory)
+    if total >= config.tokens:
+        return total, seconds
+    torch.set_num_threads(config.threads)
+    prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
+    queue = [index for index in range(len(prompts)) if index not in done]
+    eos = int(tokenizer.eos_token_id)
+    batch = config.batch_size
+    cache = BatchCache.empty(model, batch, config.max_prompt_tokens + config.max_new_tokens + 1)
+    rows: list[Row | None] = [None] * batch
+    writer = ShardWriter(directory, config.sequences_per_shard)
+    progress = tqdm(total=config.tokens, initial=total, unit="tok", desc="generate + features")
+    with torch.inference_mode():
+        while total < config.tokens:
+            free = [slot for slot, row in enumerate(rows) if row is None]
+            if queue and (len(free) >= config.refill or len(free) == batch):
+                began = time.perf_counter()
+                taken, queue = queue[: len(free)], queue[len(free) :]
+                prefill_rows(model, cache, rows, free[: len(taken)], taken, prompts, config.top_k, aux_layers)
+                writer.seconds += time.perf_counter() - began
+            if all(row is None for row in rows):
+                break
+            began = time.perf_counter()
+            finished = decode_step(model, cache, rows, config, aux_layers, eos)
+            writer.seconds += time.perf_counter() - began
+            for row in finished:
+                writer.add(row)
+                total += row.response_length
+                progress.update(row.response_length)
+    writer.flush()
+    progress.close()
+    return done_prompts(directory)[1:]
+
+
+def prefill_rows(
+    model: NativeLlama,
+    cache: BatchCache,
+    rows: list[Row | None],
+    slots: list[int],
+    prompt_indices: list[int],
+    prompts: list[list[int]],
+    top_k: int,
+    aux_layers: tuple[int, ...],
+) -> None:
+    """Prefill prompts (right-padded together) into free batch rows; pick each first response token."""
+    width = max(len(prompts[index]) for index in prompt_indices)
+    tokens = torch.zeros(len(prompt_indices), width, dtype=torch.long)  # [r, width]
+    for row, index in enumerate(prompt_indices):
+        tokens[row, : len(prompts[index])] = torch.tensor(prompts[index])
+    small = BatchCache.empty(model, len(prompt_indices), width)
+    positions = torch.arange(width)[None].expand(len(prompt_indices), width)
+    hidden, features = batched_forward(model, tokens, positions, small, aux_layers)  # [r, width, h]
+    assert features is not None
+    cache.copy_rows(small, torch.tensor(slots), width)
+    lengths = torch.tensor([len(prompts[index]) for index in prompt_indices])
+    last = hidden[torch.arange(len(prompt_indices)), lengths - 1]  # [r, h]
+    ids, logprobs = top_candidates(model, last, top_k)
+    for row, (slot, index) in enumerate(zip(slots, prompt_indices, strict=True)):
+        length = len(prompts[index])
+        state = Row(index, [*prompts[index], int(ids[row, 0])], length)
+        state.features.append(features[row, :length].clone())
+        state.topk_ids.append(ids[row].clone())
+        state.topk_logprobs.append(logprobs[row].clone())
+        rows[slot] = state
+
+
+def decode_step(
+    model: NativeLlama,
+    cache: BatchCache,
+    rows: list[Row | None],
+    config: FeatureGenConfig,
+    aux_layers: tuple[int, ...],
+    eos: int,
+) -> list[Row]:
+    """Feed every row's newest token; rows that end (EOS, max_new_tokens) are returned and freed.
+    Free rows compute a throwaway token at slot 0 (refilled before they are read)."""
+    finished: list[Row] = []
+    for slot, row in enumerate(rows):  # a row whose first token already ends it is not fed
+        if row is not None and (row.tokens[-1] == eos or row.response_length >= config.max_new_tokens):
+            finished.append(row)
+            rows[slot] = None
+    live = [(slot, row) for slot, row in enumerate(rows) if row is not None]
+    if not live:
+        return finished
+    tokens = torch.zeros(len(rows), 1, dtype=torch.long)
+    positions = torch.zeros(len(rows), 1, dtype=torch.long)
+    for slot, row in live:
+        tokens[slot, 0] = row.tokens[-1]
+        positions[slot, 0] = len(row.tokens) - 1
+    hidden, features = batched_forward(model, tokens, positions, cache, aux_layers)
+    assert features is not None
+    ids, logprobs = top_candidates(model, hidden[:, 0], config.top_k)
+    for slot, row in live:
+        row.features.append(features[slot, :1].clone())
+        row.topk_ids.append(ids[slot].clone())
+        row.topk_logprobs.append(logprobs[slot].clone())
+        row.tokens.append(int(ids[slot, 0]))
+        if row.tokens[-1] == eos or row.response_length >= config.max_new_tokens:
+            finished.append(row)
+            rows[slot] = None
+    return finished
+

@@ -1,0 +1,213 @@
+"""The eagle3 drafter: greedy equivalence for every tree kind, drafting == training (TTT), batched
+feature generation == plain decoding, the sampling law, and loading errors."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from causaldraft.api import load
+from causaldraft.config import SamplingConfig
+from causaldraft.drafters.base import DraftContext
+from causaldraft.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
+from causaldraft.drafters.eagle3_model import CONFIG_FILE, WEIGHTS_FILE, Eagle3Layer, load_layer, new_layer, save_layer
+from causaldraft.drafters.heads import base_fingerprint
+from causaldraft.drafters.registry import DrafterOptions
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.native import NativeLlama
+from causaldraft.train.eagle3_recipe import eagle3_config
+from causaldraft.train.eagle3_train import (
+    Eagle3TrainConfig,
+    draft_index,
+    draft_vocabulary,
+    evaluate_layer,
+    load_sequences,
+    make_batch,
+    train_layer,
+    ttt_outputs,
+)
+from causaldraft.train.feature_data import FeatureGenConfig, generate_features
+from causaldraft.tree import Tree
+from tests.test_decode import exact_law
+
+PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
+AUX = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_llama_dir), "native", "float32")
+
+
+def random_layer(tiny: LoadedModel, seed: int = 0, draft_vocab: int = 200) -> Eagle3Layer:
+    vocab = tiny.backend.shape.vocab_size
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    layer = new_layer(eagle3_config(tiny, draft_vocab, AUX), ids, tiny.backend.lm_head_weight(), seed)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    return layer.eval()
+
+
+def layer_dir(tiny: LoadedModel, directory: Path, seed: int = 0) -> Path:
+    save_layer(random_layer(tiny, seed), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def generated(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Self-distillation data of the tiny model made by the batched generator (3 rows, refills)."""
+    directory = tmp_path_factory.mktemp("eagle3-data")
+    prompts = directory / "prompts.txt"
+    prompts.write_text("\n".join([*PROMPTS, "one two three", "zzz", "the mat", "a b c d"]))
+    config = FeatureGenConfig(tokens=10_000, max_new_tokens=24, batch_size=3, refill=1, top_k=4,
+                              sequences_per_shard=2, threads=1)  # fmt: skip
+    assert isinstance(tiny.backend, NativeLlama)
+    generate_features(tiny.backend, tiny.tokenizer, [prompts], directory / "data", AUX, config, tiny.fingerprint)
+    return directory / "data"
+
+
+def plain(tiny: LoadedModel, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    return [engine.generate(prompt, max_new_tokens=max_new_tokens).token_ids for prompt in prompts]
+
+
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+@pytest.mark.parametrize("lookup_merge", [True, False])
+def test_greedy_output_is_token_identical_to_plain(tiny: LoadedModel, tmp_path: Path, tree: str, lookup_merge: bool) -> None:
+    directory = layer_dir(tiny, tmp_path / "eagle3")
+    expected = plain(tiny, PROMPTS, 40)
+    engine = load(loaded=tiny, drafter="eagle3", tree=tree, heads=str(directory), lookup_merge=lookup_merge,
+                  calibrate=False, fallback=False)  # fmt: skip
+    for prompt, tokens in zip(PROMPTS, expected, strict=True):
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == tokens
+        assert max(step.nodes for step in result.stats.steps) > 2  # it really drafted trees
+
+
+def test_greedy_identity_with_fallback_and_cost_model(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Fallback steps skip drafting; the features of those steps must still reach the draft cache."""
+    directory = layer_dir(tiny, tmp_path / "eagle3")
+    expected = plain(tiny, PROMPTS, 48)
+    engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), calibrate=True)
+    for prompt, tokens in zip(PROMPTS, expected, strict=True):
+        assert engine.generate(prompt, max_new_tokens=48).token_ids == tokens
+
+
+def test_batched_generation_equals_plain_decoding_and_its_features(tiny: LoadedModel, generated: Path) -> None:
+    sequences = load_sequences(generated)
+    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    assert len(sequences) == 7
+    for seq in sequences:
+        prompt = seq.tokens[: seq.prompt_length].tolist()
+        expected = engine.generate(prompt, max_new_tokens=24).token_ids
+        assert seq.tokens[seq.prompt_length :].tolist() == expected
+        n = seq.tokens.shape[0] - 1
+        cache = tiny.backend.new_cache(n)
+        out = tiny.backend.forward(seq.tokens[:n], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+                                   cache, aux_layers=AUX)  # fmt: skip
+        assert out.aux is not None
+        torch.testing.assert_close(seq.features.float(), out.aux.float(), atol=2e-2, rtol=1e-2)  # stored bf16
+        assert torch.equal(seq.topk_ids[:, 0], seq.tokens[seq.prompt_length :])  # greedy = top-1
+
+
+def test_drafting_computes_exactly_what_training_unrolls(tiny: LoadedModel, generated: Path) -> None:
+    """A chain drafted along the true continuation proposes, at depth j, what TTT step j computes
+    at the root's row: training and drafting feed the layer the same tokens, hidden states,
+    positions and keys (the Markov heads once differed here without a test noticing)."""
+    layer = random_layer(tiny)
+    seq = max(load_sequences(generated), key=lambda s: s.response_length)
+    steps = 4
+    batch = make_batch([seq], steps, context=1000, to_draft=draft_index(layer.vocab_ids, 259))
+    with torch.no_grad():
+        trained = ttt_outputs(layer, tiny.backend.embed(torch.arange(259)).float(), batch, steps)  # [1, N, h] each
+    drafter = Eagle3Drafter(layer, tiny.backend, lookup_merge=False)
+    tokens = seq.tokens.tolist()
+    root_row = seq.prompt_length + 2  # the root x_{p+1} is the token of draft row p
+    context_tokens = tuple(tokens[: root_row + 2])
+    drafter.start(context_tokens, seq.features[: root_row + 1].float())
+    with torch.no_grad():
+        drafter.catch_up()
+        expand = drafter.expander(DraftContext(context_tokens, None, "chain", steps, 1, 8, SamplingConfig(), None))
+        tree = Tree.chain(tokens[root_row + 1 : root_row + 1 + steps])
+        for depth in range(steps):
+            [[(token, prob)]] = expand(tree, [depth])
+            expected = torch.softmax(layer.logits(trained[depth][0, root_row]), dim=-1)
+            assert token == int(layer.vocab_ids[int(expected.argmax())]), depth
+            assert prob == pytest.approx(float(expected.max()), abs=1e-4), depth
+
+
+def test_trained_layer_beats_random_and_accepts_more(tiny: LoadedModel, generated: Path, tmp_path: Path) -> None:
+    sequences = load_sequences(generated)
+    vocab_ids = draft_vocabulary(sequences, 259, 128)
+    layer = new_layer(eagle3_config(tiny, 128, AUX), vocab_ids, tiny.backend.lm_head_weight(), 0)
+    embed = tiny.backend.embed(torch.arange(259)).float()
+    before = evaluate_layer(layer, sequences, embed, 3, 8)
+    config = Eagle3TrainConfig(epochs=30, rows_per_batch=64, steps=3, context=8, lr=3e-3, warmup=5, autocast=False)
+    history = train_layer(layer, sequences, embed, config, tmp_path / "ckpt.pt")
+    after = evaluate_layer(layer, sequences, embed, 3, 8)
+    assert history[-1] < history[0]
+    assert after.top1[0] > before.top1[0] + 0.2
+    assert after.chain_accepted > before.chain_accepted
+    resumed = train_layer(layer, sequences, embed, config, tmp_path / "ckpt.pt")  # finished: nothing to do
+    assert resumed == history
+
+
+def test_sampled_output_follows_the_exact_target_law(tiny: LoadedModel, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    directory = layer_dir(tiny, tmp_path / "eagle3")
+    engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree="static", depth=2,
+                  calibrate=False, fallback=False, adapt=False)  # fmt: skip
+    prompt_ids = engine.encode(PROMPTS[0])
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    law = exact_law(tiny_llama_dir, prompt_ids, sampling)
+    counts: Counter[tuple[int, int]] = Counter()
+    drafted = 0
+    for seed in range(1000):
+        result = engine.generate(prompt_ids, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed)
+        counts[(result.token_ids[0], result.token_ids[1])] += 1
+        drafted += result.stats.steps[0].nodes - 1
+    assert drafted > 1000
+    assert set(counts) <= set(law)
+    keys = sorted(law)
+    observed = [counts[key] for key in keys]
+    expected = [law[key] / sum(law.values()) * 1000 for key in keys]
+    assert chisquare(observed, expected).pvalue > 1e-4
+
+
+def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
+    options = DrafterOptions(heads=str(tmp_path / "missing"))
+    with pytest.raises(CausalDraftError, match="does not exist"):
+        load_eagle3_drafter(tiny, options)
+    directory = layer_dir(tiny, tmp_path / "good")
+    fingerprint = base_fingerprint(tiny.backend)
+    with pytest.raises(CausalDraftError, match="another base model"):
+        load_layer(directory, "0" * 16, 259, 64)
+    with pytest.raises(CausalDraftError, match="no trained eagle3 drafter"):
+        load_eagle3_drafter(tiny, DrafterOptions())  # no shipped layer for the tiny model
+
+    weights = load_file(str(directory / WEIGHTS_FILE))
+    weights["vocab_ids"] = weights["vocab_ids"].flip(0).contiguous()  # unsorted: does not fit the target
+    save_file(weights, str(directory / WEIGHTS_FILE))
+    with pytest.raises(CausalDraftError, match="does not fit"):
+        load_layer(directory, fingerprint, 259, 64)
+    (directory / WEIGHTS_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(CausalDraftError, match="corrupt eagle3 weights"):
+        load_layer(directory, fingerprint, 259, 64)
+    (directory / WEIGHTS_FILE).unlink()
+    with pytest.raises(CausalDraftError, match="missing"):
+        load_layer(directory, fingerprint, 259, 64)
+    record = json.loads((directory / CONFIG_FILE).read_text())
+    del record["draft_vocab"]
+    (directory / CONFIG_FILE).write_text(json.dumps(record))
+    with pytest.raises(CausalDraftError, match="corrupt eagle3 config"):
+        load_layer(directory, fingerprint, 259, 64)
+    other = layer_dir(tiny, tmp_path / "big")
+    with pytest.raises(CausalDraftError, match="another base model"):
+        load_layer(other, fingerprint, 1000, 64)  # a target with another vocabulary

@@ -1,0 +1,65 @@
+"""Export of an eagle3 drafter in the speculators layout, checked by speculators' own model class.
+
+The check runs in the interpreter named by ``CAUSALDRAFT_SPECULATORS_PYTHON`` (a venv with
+speculators: ``make .venv-speculators``; ``make test`` sets it). Without it the check is skipped
+locally, and fails in CI (``CI`` set), so the proof cannot silently go missing there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from causaldraft.drafters.eagle3_model import load_layer, save_layer
+from causaldraft.drafters.heads import base_fingerprint
+from causaldraft.export import export_eagle3, write_reference
+from causaldraft.models.loading import LoadedModel, load_model
+from tests.test_eagle3 import random_layer
+
+CHECK = Path(__file__).resolve().parent.parent / "bench" / "eagle3_export_check.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_llama_dir), "native", "bfloat16")
+
+
+def exported(tiny: LoadedModel, tmp_path: Path) -> tuple[Path, Path]:
+    directory = tmp_path / "eagle3"
+    save_layer(random_layer(tiny), directory)
+    return directory, export_eagle3(directory, tiny, tmp_path / "export")
+
+
+def test_export_layout_and_vocabulary_maps(tiny_bf16: LoadedModel, tmp_path: Path) -> None:
+    directory, out = exported(tiny_bf16, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_bf16.model_dir)
+    weights = load_file(str(out / "model.safetensors"))
+    layer = load_layer(directory, base_fingerprint(tiny_bf16.backend), 259, 64)
+    assert torch.equal(torch.arange(200) + weights["d2t"], layer.vocab_ids)
+    assert int(weights["t2d"].sum()) == 200 and bool(weights["t2d"][layer.vocab_ids].all())
+    q, k, v = (weights[f"layers.0.self_attn.{name}_proj.weight"] for name in "qkv")
+    assert torch.equal(torch.cat([q, k, v]).float(), layer.qkv_proj.weight.to(torch.bfloat16).float())
+    assert q.shape == (64, 128) and k.shape == (32, 128)  # 2 x hidden inputs: [embedding, hidden]
+
+
+def test_speculators_model_class_gives_the_same_draft_logits(tiny_bf16: LoadedModel, tmp_path: Path) -> None:
+    python = os.environ.get("CAUSALDRAFT_SPECULATORS_PYTHON")
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail("CAUSALDRAFT_SPECULATORS_PYTHON is not set in CI (make test sets it)")
+        pytest.skip("no speculators interpreter (make .venv-speculators; make test sets it)")
+    directory, out = exported(tiny_bf16, tmp_path)
+    reference = write_reference(directory, tiny_bf16, tmp_path / "reference.pt")
+    run = subprocess.run([python, str(CHECK), str(out), str(reference)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["same_top1"] and report["draft_to_target_map_equal"]

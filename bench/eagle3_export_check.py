@@ -19,7 +19,9 @@ import torch
 from speculators.models.eagle3 import Eagle3DraftModel
 
 
-def speculators_logits(model: Eagle3DraftModel, features: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def speculators_logits(
+    model: Eagle3DraftModel, features: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """One causal pass of speculators' EAGLE-3 modules: fc, the first decoder layer, norm, lm_head."""
     layer = model.layers[0]
     layer.self_attn.config._attn_implementation = "eager"  # its CPU-friendly reference kernel

@@ -15,7 +15,7 @@ from pathlib import Path
 from causaldraft.api import load
 from causaldraft.models.loading import load_model
 
-QUESTIONS = Path("/work/shared/data/bench/mt_bench_question.jsonl")
+QUESTIONS = Path(__file__).resolve().parent / "prompts" / "mt-bench-8.jsonl"  # repository default
 
 
 def pick_prompts(count: int) -> list[str]:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import causaldraft
 from causaldraft.models.loading import load_model
 
-PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bench" / "mt_bench_question.jsonl"
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "mt-bench-8.jsonl"  # repository default
 
 
 def read_prompts(path: Path, count: int) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from causaldraft.models.loading import load_model, resolve_model_dir
 from causaldraft.models.native import NativeLlama
 from causaldraft.models.quant import install_quantized, quantize_model_weights
 
-MT_BENCH = "/work/shared/data/bench/mt_bench_question.jsonl"
+MT_BENCH = str(Path(__file__).resolve().parent / "prompts" / "mt-bench-8.jsonl")  # repository default
 DTYPES = ("float32", "bfloat16", "int8", "int4", "int4-requantized")
 
 

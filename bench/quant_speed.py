@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from causaldraft.adapt import measure_verify_cost
 from causaldraft.api import Engine, load
@@ -19,7 +20,7 @@ from causaldraft.bench.methods import LlamaCppMethod, RunSettings
 from causaldraft.bench.prompts import read_questions
 from causaldraft.models.loading import LoadedModel, default_gguf_path, load_model
 
-MT_BENCH = "/work/shared/data/bench/mt_bench_question.jsonl"
+MT_BENCH = str(Path(__file__).resolve().parent / "prompts" / "mt-bench-8.jsonl")  # repository default
 PLAIN_DTYPES = ("bfloat16", "int8", "int4")
 SPECULATIVE_INT4 = ("lookup", "draft")
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -176,7 +176,9 @@ def verify_step(
     return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator), out
 
 
-def commit_step(state: DecodeState, prefix_length: int, acceptance: Acceptance, out: ForwardOutput) -> torch.Tensor | None:
+def commit_step(
+    state: DecodeState, prefix_length: int, acceptance: Acceptance, out: ForwardOutput
+) -> torch.Tensor | None:
     """Keep the KV entries of the accepted path (root included); the final token is the next root.
 
     out.hidden: [n, hidden] from the verify pass; the accepted path's last node predicted that

@@ -3,7 +3,7 @@ the accepted path. No model access.
 
 Vocabulary: *accepted* draft tokens lie on the accepted root path; the step then emits one more
 token from the target: the *recovered* token (drawn from the residual after a rejection) or the
-*bonus* token (after a leaf, from the target's own distribution). See shared DESIGN.md.
+*bonus* token (after a leaf, from the target's own distribution). See docs/design.md.
 """
 
 from __future__ import annotations

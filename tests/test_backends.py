@@ -169,7 +169,9 @@ def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: P
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_gpt2_dir", "tiny_llama_dir"])
-def test_hf_backend_through_the_real_engine_commits_and_rolls_back(model_dir: str, request: pytest.FixtureRequest) -> None:
+def test_hf_backend_through_the_real_engine_commits_and_rolls_back(
+    model_dir: str, request: pytest.FixtureRequest
+) -> None:
     """Loading with calibration rolls the hf cache back after every timed pass, and tree steps
     commit accepted slots: both through transformers' cache as installed (a release once changed
     what ``DynamicCache.crop`` means and broke this path unnoticed)."""

@@ -81,7 +81,9 @@ def plain(tiny: LoadedModel, prompts: list[str], max_new_tokens: int) -> list[li
 
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
 @pytest.mark.parametrize("lookup_merge", [True, False])
-def test_greedy_output_is_token_identical_to_plain(tiny: LoadedModel, tmp_path: Path, tree: str, lookup_merge: bool) -> None:
+def test_greedy_output_is_token_identical_to_plain(
+    tiny: LoadedModel, tmp_path: Path, tree: str, lookup_merge: bool
+) -> None:
     directory = layer_dir(tiny, tmp_path / "eagle3")
     expected = plain(tiny, PROMPTS, 40)
     engine = load(loaded=tiny, drafter="eagle3", tree=tree, heads=str(directory), lookup_merge=lookup_merge,
@@ -211,3 +213,27 @@ def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
     other = layer_dir(tiny, tmp_path / "big")
     with pytest.raises(CausalDraftError, match="another base model"):
         load_layer(other, fingerprint, 1000, 64)  # a target with another vocabulary
+
+
+@pytest.mark.slow
+def test_compiled_target_serves_eagle3_features_from_the_same_graphs(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Compiled graphs return the default feature layers always: plain decoding and eagle3 share
+    one graph per bucket, and eagle3 output stays token-identical."""
+    from torch._dynamo.utils import counters
+
+    loaded = load_model(str(tiny_llama_dir), "native", "float32")
+    expected = plain(loaded, PROMPTS[:2], 24)
+    assert isinstance(loaded.backend, NativeLlama)
+    loaded.backend.compile(buckets=(1, 4, 32))
+    plain_compiled = load(loaded=loaded, drafter="none", calibrate=False)
+    assert plain_compiled.generate(PROMPTS[0], max_new_tokens=24).token_ids == expected[0]
+    graphs = counters["stats"]["unique_graphs"]
+    vocab_ids = torch.arange(0, 259, 2)
+    layer = new_layer(eagle3_config(loaded, vocab_ids.numel()), vocab_ids, loaded.backend.lm_head_weight(), 0)
+    assert layer.config.aux_layers == loaded.backend.graph_aux_layers
+    save_layer(layer, tmp_path / "eagle3")
+    spec = load(loaded=loaded, drafter="eagle3", heads=str(tmp_path / "eagle3"), calibrate=False, fallback=False,
+                max_nodes=4)  # fmt: skip
+    for prompt, tokens in zip(PROMPTS[:2], expected, strict=True):
+        assert spec.generate(prompt, max_new_tokens=24).token_ids == tokens
+    assert counters["stats"]["unique_graphs"] == graphs

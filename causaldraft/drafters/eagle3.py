@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
-from causaldraft.drafters.eagle3_model import Eagle3Layer, default_aux_layers, load_layer, read_config
+from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, read_config
 from causaldraft.drafters.lookup import LookupDrafter
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
@@ -215,6 +215,3 @@ def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-un
     quantized = bool(getattr(target.backend, "quantized", False))
     dtype = torch.bfloat16 if quantized else target.backend.dtype
     return Eagle3Drafter(layer.cast(dtype), target.backend, options.lookup_merge, int8=quantized)
-
-
-__all__ = ["Eagle3Drafter", "default_aux_layers", "load_eagle3_drafter"]

@@ -67,11 +67,6 @@ class Eagle3Config:
         return (self.num_heads * self.head_dim, kv, kv)
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's choice: a low, a middle and a high layer (2, N/2, N-3)."""
-    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
-
-
 class Eagle3Layer(nn.Module):
     vocab_ids: torch.Tensor  # [V'] target id of each draft id (sorted)
     inv_freq: torch.Tensor  # [head_dim // 2]

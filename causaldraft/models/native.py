@@ -35,6 +35,12 @@ FUSED_PROJECTIONS = {
 }
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Feature layers of EAGLE-3-style drafters: a low, a middle and a high one (2, N/2, N-3),
+    distinct and increasing (fewer for very shallow models)."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3)}))
+
+
 @dataclass(frozen=True)
 class LlamaShape:
     vocab_size: int
@@ -225,8 +231,11 @@ class NativeLlama(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
-        self.compiled_body: Callable[..., torch.Tensor] | None = None
+        self.compiled_body: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self.buckets: tuple[int, ...] = ()
+        # compiled graphs always return these layers' inputs (one graph per bucket serves plain
+        # passes and feature drafters alike); a request outside them compiles its own graphs
+        self.graph_aux_layers: tuple[int, ...] = ()
         self.quantized = False  # set by quant.install_quantized
 
     @property
@@ -328,6 +337,7 @@ class NativeLlama(nn.Module):
         if buckets is None:
             buckets = QUANTIZED_BUCKETS if self.quantized else COMPILE_BUCKETS
         self.buckets = tuple(sorted(buckets))
+        self.graph_aux_layers = default_aux_layers(self.llama_shape.num_layers)
         # the weights are frozen into the graphs, so guards on the modules only cost time (~1 ms a
         # call); the graphs are told apart by their input shapes (the tensor guards)
         self.compiled_body = torch.compile(
@@ -369,12 +379,24 @@ class NativeLlama(nn.Module):
                 hidden, aux = self.body(tokens, positions, mask, slots, cache.keys, cache.values, aux_layers)
             else:
                 padded = pad_to_bucket(tokens, positions, mask, cache, bucket)
-                hidden, aux = self.compiled_body(*padded, aux_layers)
-                hidden, aux = hidden[:n], (aux[:n] if aux is not None else None)
+                graph_layers = self.graph_aux_layers if set(aux_layers) <= set(self.graph_aux_layers) else aux_layers
+                hidden, aux = self.compiled_body(*padded, graph_layers)
+                hidden = hidden[:n]
+                aux = select_aux(aux[:n], graph_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
         scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         logits = self.lm_head(scored).float()  # [m, vocab]
         return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
+
+
+def select_aux(aux: torch.Tensor, computed: tuple[int, ...], wanted: tuple[int, ...]) -> torch.Tensor:
+    """aux [n, len(computed) * h] (layers in increasing order) -> the ``wanted`` layers' columns,
+    also in increasing order (the order ``body`` concatenates them in)."""
+    if tuple(sorted(wanted)) == tuple(sorted(computed)):
+        return aux
+    chunks = aux.chunk(len(computed), dim=-1)
+    order = sorted(computed)
+    return torch.cat([chunks[order.index(layer)] for layer in sorted(wanted)], dim=-1)
 
 
 def pad_to_bucket(

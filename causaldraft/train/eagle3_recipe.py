@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from causaldraft.drafters.eagle3_model import Eagle3Config, default_aux_layers, new_layer, save_layer
+from causaldraft.drafters.eagle3_model import Eagle3Config, new_layer, save_layer
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, causaldraft_home, load_model
-from causaldraft.models.native import NativeLlama
+from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
     draft_vocabulary,

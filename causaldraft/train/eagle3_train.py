@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from causaldraft.drafters.eagle3_model import Eagle3Layer
@@ -185,7 +184,9 @@ def ttt_outputs(layer: Eagle3Layer, embed: torch.Tensor, batch: Batch, steps: in
     return outputs
 
 
-def ttt_loss(layer: Eagle3Layer, embed: torch.Tensor, batch: Batch, config: Eagle3TrainConfig) -> tuple[torch.Tensor, list[float]]:
+def ttt_loss(
+    layer: Eagle3Layer, embed: torch.Tensor, batch: Batch, config: Eagle3TrainConfig
+) -> tuple[torch.Tensor, list[float]]:
     """Weighted mean over steps of the soft cross-entropy against the target's top-k."""
     total = torch.zeros(())
     weights = 0.0

@@ -254,4 +254,3 @@ def decode_step(
             finished.append(row)
             rows[slot] = None
     return finished
-

@@ -202,3 +202,22 @@ def test_read_questions(tmp_path: Path) -> None:
     bad.write_text('{"question_id": 1, "turns": []}\n')
     with pytest.raises(CausalDraftError, match="bad.jsonl:1"):
         read_questions(bad)
+
+
+def crashing_llamacpp(connection: object, gguf: str, seed: int) -> None:
+    """A llama.cpp child that loads, then dies natively in its first generate (as an AMX build did)."""
+    import os
+
+    connection.send(("ok", 2))  # type: ignore[attr-defined]
+    connection.recv()  # type: ignore[attr-defined]
+    os.abort()
+
+
+def test_a_crashing_llamacpp_child_is_this_methods_error_not_the_bench(tmp_path: Path) -> None:
+    from causaldraft.bench.methods import LlamaCppMethod, RunSettings
+
+    method = LlamaCppMethod("llamacpp", tmp_path / "model.gguf", 0, worker=crashing_llamacpp)
+    with pytest.raises(CausalDraftError, match="crashed"):
+        method.generate([1, 2, 3], RunSettings(max_new_tokens=4, temperature=0.0, seed=0))
+    with pytest.raises(CausalDraftError, match="crashed earlier"):
+        method.generate([1, 2, 3], RunSettings(max_new_tokens=4, temperature=0.0, seed=0))

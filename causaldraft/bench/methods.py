@@ -10,6 +10,7 @@ into transformers, unless the target already is a transformers model).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -173,35 +174,74 @@ class HFMethod:
 
 
 class LlamaCppMethod:
-    """The same GGUF through llama.cpp (llama-cpp-python), fed the same prompt token ids."""
+    """The same GGUF through llama.cpp (llama-cpp-python), fed the same prompt token ids.
 
-    def __init__(self, name: str, gguf: Path, seed: int) -> None:
-        from llama_cpp import Llama
+    llama.cpp runs in a child process: a native crash there (a build that emits instructions this
+    CPU lacks segfaults in its first ``generate``) is recorded as this method's error instead of
+    killing the bench and every other method's results. Times are measured inside the child."""
+
+    def __init__(self, name: str, gguf: Path, seed: int, worker: Callable[..., None] | None = None) -> None:
+        """``worker``: the child's entry point (``llamacpp_worker``; tests pass a crashing one)."""
+        import multiprocessing
 
         self.name = name
-        self.llm = Llama(model_path=str(gguf), n_threads=LLAMACPP_THREADS, n_ctx=LLAMACPP_CONTEXT, seed=seed,
-                         verbose=False)  # fmt: skip
-        self.eos = int(self.llm.token_eos())
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=worker or llamacpp_worker, args=(child, str(gguf), seed), daemon=True)
+        self.process.start()
+        child.close()
+        self.eos = int(self.receive())
+
+    def receive(self) -> Any:
+        try:
+            kind, value = self.connection.recv()
+        except (EOFError, OSError) as error:
+            self.process.join(timeout=5)
+            raise CausalDraftError(f"llamacpp crashed (child exit code {self.process.exitcode})") from error
+        if kind == "error":
+            raise CausalDraftError(f"llamacpp: {value}")
+        return value
 
     def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput:
         if len(prompt_ids) + settings.max_new_tokens > LLAMACPP_CONTEXT:
             raise CausalDraftError(f"llamacpp: prompt + max_new_tokens exceed its context of {LLAMACPP_CONTEXT}")
-        self.llm.reset()  # no prompt-cache reuse between requests: every method prefills the whole prompt
-        sampler: dict[str, Any] = {
-            "temp": settings.temperature,
-            "top_k": 0,
-            "top_p": 1.0,
-            "min_p": 0.0,
-            "repeat_penalty": 1.0,
-        }
+        if not self.process.is_alive():
+            raise CausalDraftError(f"llamacpp crashed earlier (child exit code {self.process.exitcode})")
+        self.connection.send((list(prompt_ids), settings.temperature, settings.max_new_tokens))
+        tokens, wall_s = self.receive()
+        return MethodOutput(tuple(tokens), wall_s, len(tokens))
+
+    def __del__(self) -> None:
+        process = getattr(self, "process", None)
+        if process is not None and process.is_alive():
+            process.kill()
+
+
+def llamacpp_worker(connection: Any, gguf: str, seed: int) -> None:
+    """Child process: load the GGUF, then answer (prompt ids, temperature, max tokens) requests."""
+    try:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=gguf, n_threads=LLAMACPP_THREADS, n_ctx=LLAMACPP_CONTEXT, seed=seed, verbose=False)
+        eos = int(llm.token_eos())
+    except Exception as error:  # report any load failure to the parent
+        connection.send(("error", f"cannot load {gguf}: {error}"))
+        return
+    connection.send(("ok", eos))
+    while True:
+        try:
+            prompt_ids, temperature, max_new_tokens = connection.recv()
+        except EOFError:
+            return
+        llm.reset()  # no prompt-cache reuse between requests: every method prefills the whole prompt
+        sampler: dict[str, Any] = {"temp": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
         tokens: list[int] = []
         started = time.perf_counter()
-        for token in self.llm.generate(prompt_ids, **sampler):
+        for token in llm.generate(prompt_ids, **sampler):
             tokens.append(int(token))
-            if token == self.eos or len(tokens) >= settings.max_new_tokens:
+            if token == eos or len(tokens) >= max_new_tokens:
                 break
-        wall_s = time.perf_counter() - started
-        return MethodOutput(tuple(tokens), wall_s, len(tokens))
+        connection.send(("ok", (tokens, time.perf_counter() - started)))
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -78,13 +79,16 @@ class Engine:
         generator = None if sampling.greedy else make_generator(seed)
         started = time.perf_counter()
         state = prefill(self.decoder, prompt_ids, max_new_tokens, generator)
+        gumbel = not sampling.greedy and self.decoder.decode.sampler == "gumbel"
+        if gumbel and self.decoder.decode.acceptance == "lossless":
+            state.noise_seed = seed if seed is not None else random.getrandbits(63)
         self.last_stats = state.stats
         text = TextTracker(self.tokenizer, stops)
-        # A seeded sampled request adapts from a fresh state without timing-based decisions, so the
-        # same seed gives the same tokens (tree shapes, and so random draws, never depend on the
-        # clock). Greedy output does not depend on the tree at all, so greedy requests always use
-        # the engine's measured cost model, seed or not.
-        seeded = seed is not None and not sampling.greedy
+        # Greedy and Gumbel-sampled output does not depend on the tree, so those requests use the
+        # engine's measured cost model. A seeded request under rejection sampling adapts from a
+        # fresh state without timing-based decisions, so the same seed gives the same tokens (tree
+        # shapes, and so random draws, never depend on the clock).
+        seeded = seed is not None and not sampling.greedy and state.noise_seed is None
         adapt = initial_adapt_state(self.decoder.tree, timed=False) if seeded else self.adapt
         for emitted in decode_steps(self.decoder, state, adapt, sampling, max_new_tokens):
             kept, delta = text.add(emitted)
@@ -186,6 +190,7 @@ def load(
     width: int | None = None,
     max_nodes: int | None = None,
     acceptance: str = "lossless",
+    sampler: str = "gumbel",
     adapt: bool = True,
     fallback: bool = True,
     calibrate: bool = True,
@@ -207,7 +212,8 @@ def load(
         width=width if width is not None else (defaults.width if tree != "chain" else 1),
         max_nodes=max_nodes if max_nodes is not None else defaults.max_nodes,
     )
-    decode_config = DecodeConfig(acceptance=acceptance, adapt=adapt, fallback=fallback and drafter != "none")
+    decode_config = DecodeConfig(acceptance=acceptance, adapt=adapt, fallback=fallback and drafter != "none",
+                                 sampler=sampler)  # fmt: skip
     target = loaded or load_model(model, backend, dtype)
     if compile:
         compile_backend(target)

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from causaldraft.config import ACCEPTANCE_RULES, BACKENDS, DTYPES, TREE_KINDS, TreeConfig
+from causaldraft.config import ACCEPTANCE_RULES, BACKENDS, DTYPES, SAMPLERS, TREE_KINDS, DecodeConfig, TreeConfig
 from causaldraft.errors import CausalDraftError
 
 
@@ -31,6 +31,8 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
     parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
+    parser.add_argument("--sampler", choices=SAMPLERS, default=DecodeConfig().sampler,
+                        help="lossless sampling: gumbel (output depends on the seed alone) or rejection")  # fmt: skip
     parser.add_argument("--draft-model", default=None, help="local draft model path (same vocabulary)")
     parser.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
     parser.add_argument("--heads", default=None, help="trained drafter directory (markov/medusa/eagle3)")
@@ -51,6 +53,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "width": args.width,
         "max_nodes": args.max_nodes,
         "acceptance": args.acceptance,
+        "sampler": args.sampler,
         "draft_model": args.draft_model,
         "draft_layers": args.draft_layers,
         "heads": args.heads,

@@ -11,6 +11,7 @@ DTYPES = ("float32", "bfloat16", "int8", "int4")
 BACKENDS = ("native", "hf")
 TREE_KINDS = ("chain", "static", "dynamic")
 ACCEPTANCE_RULES = ("lossless", "naive")
+SAMPLERS = ("gumbel", "rejection")
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,16 @@ class DecodeConfig:
     adapt: bool = True
     fallback: bool = True
     reprobe_every: int = 16
+    # lossless sampling: "gumbel" (Gumbel-max with noise keyed by (seed, position): the output is a
+    # function of the seed and the model alone, whatever the drafter and tree) or "rejection"
+    # (recursive rejection sampling with the request's generator)
+    sampler: str = "gumbel"
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
             raise CausalDraftError(f"acceptance must be one of {', '.join(ACCEPTANCE_RULES)}, got {self.acceptance!r}")
+        if self.sampler not in SAMPLERS:
+            raise CausalDraftError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.reprobe_every < 1:
             raise CausalDraftError("reprobe_every must be >= 1")
 

@@ -18,7 +18,7 @@ from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache, ForwardOutput
-from causaldraft.sampling import warp_probs
+from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.tree import TreeDraft, compile_tree, full_mask, prune
 from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
 
@@ -86,6 +86,7 @@ class DecodeState:
     stats: GenerationStats
     finished: bool = False
     finish_reason: str = ""
+    noise_seed: int | None = None  # Gumbel sampling: the seed the noise of every position is keyed by
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling
         max_nodes=max_nodes,
         sampling=sampling,
         generator=state.generator,
+        noise_seed=state.noise_seed,
     )
     draft = decoder.drafter.propose(context)
     if draft.tree.size <= 2 or not sized or draft.child_mode != "deterministic":
@@ -170,6 +172,9 @@ def verify_step(
     )  # fmt: skip
     if sampling.greedy:
         return verify_greedy(draft.tree, out.logits), out
+    if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
+        positions = (compiled.depths + length).tolist()
+        return verify_greedy(draft.tree, gumbel_scores(out.logits, positions, sampling, state.noise_seed)), out
     target_probs = warp_probs(out.logits, sampling)
     if decoder.decode.acceptance == "naive":
         return verify_naive(draft.tree, target_probs, state.generator), out

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from causaldraft.config import SamplingConfig
+
+MIN_TEMPERATURE = 1e-30
+MASK64 = (1 << 64) - 1
 
 
 def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -15,7 +20,10 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     logits = logits.float()
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    scaled = logits / sampling.temperature
+    # shifted so the best logit is 0 (no overflow however small the temperature; float32 cannot
+    # divide by a temperature below ~1e-38, where sampling is greedy in effect anyway)
+    shifted = logits - logits.max(-1, keepdim=True).values
+    scaled = shifted / max(sampling.temperature, MIN_TEMPERATURE)
     if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]  # [..., 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -23,7 +31,8 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-        keep_sorted = before < sampling.top_p  # always keeps the most probable token
+        keep_sorted = before < sampling.top_p
+        keep_sorted[..., 0] = True  # the most probable token, even for a top_p below float32's range
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
@@ -40,5 +49,38 @@ def make_generator(seed: int | None) -> torch.Generator:
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(seed & MASK64)  # any integer seed (e.g. 2**64) folds into 64 bits
     return generator
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for (seed, position): splitmix64 of seed * golden + position, so
+    neighbouring positions and seeds get unrelated streams. Any Python int seed is accepted."""
+    z = (seed * 0x9E3779B97F4A7C15 + position) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=256)
+def gumbel_noise(seed: int, position: int, size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [size] for absolute ``position`` of a request seeded ``seed``.
+
+    Counter-based: the noise depends on (seed, position) only, never on how many values were drawn
+    before, so whatever computes a position's token (a plain step, any node of any tree, or a
+    drafter guessing it) sees the same noise. Read-only (cached)."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, position))
+    uniform = torch.rand(size, generator=generator, dtype=torch.float64)
+    return (-torch.log(-torch.log(uniform))).float()
+
+
+def gumbel_scores(logits: torch.Tensor, positions: list[int], sampling: SamplingConfig, seed: int) -> torch.Tensor:
+    """log(warped probabilities) + the positions' Gumbel noise: [n, vocab] (float32).
+
+    Gumbel-max: argmax over a row is an exact sample of that row's warped distribution, and with
+    noise keyed by (seed, position) it is the very token plain seeded sampling draws there.
+    Example: probs [0.5, 0.3, 0.2, 0] and noise [0.1, 0.9, -0.2, 2.0] give scores
+    [-0.59, -0.30, -1.81, -inf]: token 1."""
+    log_probs = torch.log(warp_probs(logits, sampling))  # [n, vocab], -inf outside top-k/top-p
+    noise = torch.stack([gumbel_noise(seed, position, logits.shape[-1]) for position in positions])
+    return log_probs + noise

@@ -202,15 +202,16 @@ def exact_law(directory: Path, prompt_ids: list[int], sampling: SamplingConfig) 
     return law
 
 
+@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
 @pytest.mark.parametrize(("drafter", "tree", "options"), [
     ("draft", "chain", {}), ("draft", "static", {}), ("lookup", "dynamic", {}),
     ("draft", "chain", {"top_p": 0.8}),
 ])  # fmt: skip
 def test_sampled_output_follows_the_exact_target_law(
-    tiny_llama_dir: Path, drafter: str, tree: str, options: dict[str, float]
+    tiny_llama_dir: Path, drafter: str, tree: str, options: dict[str, float], sampler: str
 ) -> None:
     sampling = dataclasses.replace(SAMPLING, **options)
-    spec = engine(tiny_llama_dir, drafter, tree=tree, depth=2, fallback=False, adapt=False)
+    spec = engine(tiny_llama_dir, drafter, tree=tree, depth=2, fallback=False, adapt=False, sampler=sampler)
     prompt_ids = spec.encode(PROMPTS[0])
     law = exact_law(tiny_llama_dir, prompt_ids, sampling)
     counts: Counter[tuple[int, int]] = Counter()
@@ -244,3 +245,45 @@ def test_naive_acceptance_fails_the_same_law_test(tiny_llama_dir: Path) -> None:
     expected = [law[key] / total * sum(observed) for key in keys]
     assert sampling.top_k == 0
     assert chisquare(observed, expected).pvalue < 1e-4
+
+
+def test_gumbel_sampling_gives_the_same_tokens_for_a_seed_whatever_the_drafter_and_tree(tiny_llama_dir: Path) -> None:
+    """Gumbel-max with noise keyed by (seed, position): each seeded request's output is a function
+    of the seed and the model alone, so plain decoding and every drafter x tree agree, with the
+    measured cost model choosing trees freely."""
+    prompt = PROMPTS[1]
+    plain = engine(tiny_llama_dir)
+    for seed in (0, 1, 2**64 + 5):
+        expected = plain.generate(prompt, max_new_tokens=32, temperature=0.9, top_p=0.95, seed=seed).token_ids
+        for drafter in ("lookup", "draft"):
+            for tree in TREES:
+                spec = engine(tiny_llama_dir, drafter, tree=tree, calibrate=True)
+                result = spec.generate(prompt, max_new_tokens=32, temperature=0.9, top_p=0.95, seed=seed)
+                assert result.token_ids == expected, (seed, drafter, tree)
+    assert plain.generate(prompt, max_new_tokens=32, temperature=0.9, seed=3).token_ids != expected
+
+
+def test_gumbel_draft_equal_to_target_accepts_every_token_when_sampling(tiny_llama_dir: Path) -> None:
+    """Ranked with the target's own noise, a draft equal to the target guesses every sampled token
+    (as rejection sampling accepts every draw of a draft equal to the target)."""
+    spec = engine(tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree="chain", depth=5,
+                  fallback=False, adapt=False)  # fmt: skip
+    result = spec.generate(PROMPTS[0], max_new_tokens=48, temperature=1.0, seed=11)
+    assert all(step.accepted == 5 for step in result.stats.steps[:-1]), [s.accepted for s in result.stats.steps]
+    rejection = engine(tiny_llama_dir, "draft", draft_model=str(tiny_llama_dir), tree="chain", depth=5,
+                       fallback=False, adapt=False, sampler="rejection")  # fmt: skip
+    steps = rejection.generate(PROMPTS[0], max_new_tokens=48, temperature=1.0, seed=11).stats.steps
+    assert all(step.accepted == 5 for step in steps[:-1])
+
+
+@pytest.mark.parametrize("options", [{"seed": 2**64}, {"seed": -(2**70)}, {"temperature": 1e-37},
+                                     {"temperature": 5e-324}, {"top_p": 1e-300}])  # fmt: skip
+def test_extreme_but_valid_sampling_values_sample_correctly(tiny_llama_dir: Path, options: dict[str, float]) -> None:
+    settings: dict[str, float] = {"temperature": 1.0, "seed": 1, **options}
+    for sampler in ("gumbel", "rejection"):
+        spec = engine(tiny_llama_dir, "lookup", sampler=sampler, fallback=False)
+        result = spec.generate(PROMPTS[0], max_new_tokens=8, **settings)  # type: ignore[arg-type]
+        assert len(result.token_ids) == 8
+        if settings["temperature"] < 1e-30 or settings.get("top_p", 1.0) < 1e-30:
+            greedy = engine(tiny_llama_dir).generate(PROMPTS[0], max_new_tokens=8).token_ids
+            assert result.token_ids == greedy  # effectively greedy, never NaN

@@ -162,10 +162,13 @@ def test_trained_layer_beats_random_and_accepts_more(tiny: LoadedModel, generate
     assert resumed == history
 
 
-def test_sampled_output_follows_the_exact_target_law(tiny: LoadedModel, tiny_llama_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
+def test_sampled_output_follows_the_exact_target_law(
+    tiny: LoadedModel, tiny_llama_dir: Path, tmp_path: Path, sampler: str
+) -> None:
     directory = layer_dir(tiny, tmp_path / "eagle3")
     engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree="static", depth=2,
-                  calibrate=False, fallback=False, adapt=False)  # fmt: skip
+                  calibrate=False, fallback=False, adapt=False, sampler=sampler)  # fmt: skip
     prompt_ids = engine.encode(PROMPTS[0])
     sampling = SamplingConfig(temperature=1.0, top_k=4)
     law = exact_law(tiny_llama_dir, prompt_ids, sampling)
@@ -237,3 +240,14 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(tiny_llama_
     for prompt, tokens in zip(PROMPTS[:2], expected, strict=True):
         assert spec.generate(prompt, max_new_tokens=24).token_ids == tokens
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Drafts ranked with the target's own noise: the tokens are plain seeded sampling's."""
+    directory = layer_dir(tiny, tmp_path / "eagle3")
+    plain_engine = load(loaded=tiny, drafter="none", calibrate=False)
+    for seed in (4, 5):
+        expected = plain_engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.0, seed=seed).token_ids
+        for tree in ("chain", "static", "dynamic"):
+            engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree=tree, calibrate=True)
+            assert engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.0, seed=seed).token_ids == expected

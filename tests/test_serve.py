@@ -117,6 +117,25 @@ def test_null_parameters_mean_defaults(server: BackgroundServer, reference: Engi
     assert response.json()["choices"][0]["text"] == reference.generate("abc", max_new_tokens=5).text
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"seed": 2**64, "temperature": 0.8},
+        {"seed": 2**70 + 3, "temperature": 1.0},
+        {"temperature": 1e-37},
+        {"temperature": 5e-324},
+        {"top_p": 1e-300, "temperature": 1},
+    ],
+)
+def test_extreme_valid_sampling_values_are_served(server: BackgroundServer, extra: dict[str, float]) -> None:
+    """Found by a probe: these got 500s (seed overflow, NaN probabilities); each is valid input."""
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": stream, **extra}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert "error" not in response.text
+
+
 def test_stream_ends_with_done(server: BackgroundServer) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:

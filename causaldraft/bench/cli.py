@@ -46,8 +46,8 @@ def parse_budgets(text: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     engine = EngineOptions(depth=args.depth, width=args.width, max_nodes=args.max_nodes, acceptance=args.acceptance,
-                           draft_model=args.draft_model, draft_layers=args.draft_layers, heads=args.heads,
-                           lookup_merge=not args.no_lookup_merge, adapt=not args.no_adapt,
+                           sampler=args.sampler, draft_model=args.draft_model, draft_layers=args.draft_layers,
+                           heads=args.heads, lookup_merge=not args.no_lookup_merge, adapt=not args.no_adapt,
                            fallback=not args.no_fallback)  # fmt: skip
     categories = tuple(part.strip() for part in (args.categories or "").split(",") if part.strip())
     return BenchConfig(prompts=args.prompts, methods=tuple(parse_methods(args.methods)), model=args.model,

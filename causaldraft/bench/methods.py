@@ -99,6 +99,7 @@ class EngineOptions:
     width: int | None = None
     max_nodes: int | None = None
     acceptance: str = "lossless"
+    sampler: str = "gumbel"
     draft_model: str | None = None
     draft_layers: int = 4
     heads: str | None = None
@@ -301,7 +302,7 @@ class MethodFactory:
         engine = load(
             model=self.model, dtype=self.dtype, drafter=spec.drafter, tree=spec.tree, depth=options.depth,
             width=options.width, max_nodes=max_nodes or options.max_nodes, acceptance=options.acceptance,
-            adapt=options.adapt, fallback=options.fallback, draft_model=options.draft_model,
+            sampler=options.sampler, adapt=options.adapt, fallback=options.fallback, draft_model=options.draft_model,
             draft_layers=options.draft_layers, heads=options.heads, lookup_merge=options.lookup_merge,
             loaded=self.loaded,
         )  # fmt: skip

@@ -42,6 +42,8 @@ def command_line(config: BenchConfig) -> str:
             parts += [flag, str(value)]
     if engine.acceptance != "lossless":
         parts += ["--acceptance", engine.acceptance]
+    if engine.sampler != EngineOptions().sampler:
+        parts += ["--sampler", engine.sampler]
     if engine.draft_layers != EngineOptions().draft_layers:
         parts += ["--draft-layers", str(engine.draft_layers)]
     for flag, enabled in (("--no-lookup-merge", engine.lookup_merge), ("--no-adapt", engine.adapt),

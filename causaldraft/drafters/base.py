@@ -22,6 +22,9 @@ class DraftContext:
     max_nodes: int
     sampling: SamplingConfig
     generator: torch.Generator | None
+    # Gumbel sampling: the seed of the target's noise (sampling.gumbel_noise(seed, position, vocab));
+    # a drafter ranks its guesses by the same perturbed scores. None: greedy or rejection sampling.
+    noise_seed: int | None = None
 
 
 @dataclass(frozen=True)

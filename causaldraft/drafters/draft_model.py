@@ -15,7 +15,7 @@ from causaldraft.config import SamplingConfig
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache
-from causaldraft.sampling import warp_probs
+from causaldraft.sampling import gumbel_noise, warp_probs
 from causaldraft.tree import Candidates, Tree, build_tree
 
 
@@ -51,16 +51,22 @@ class DraftModelDrafter:
     def propose(self, context: DraftContext) -> Draft:
         tokens = context.tokens
         root_logits = self.catch_up(tokens)
-        sampled = not context.sampling.greedy
+        # Gumbel sampling ranks children by the target's own noise (deterministic children);
+        # rejection sampling draws them from the draft distribution
+        sampled = not context.sampling.greedy and context.noise_seed is None
         base = len(tokens)  # draft cache slot of tree node j (j >= 1) is base + slot_of[j]
         probs_of: dict[int, torch.Tensor] = {0: draft_distribution(root_logits, context.sampling)}
         slot_of: dict[int, int] = {0: base - 1}
+        depth_of: dict[int, int] = {0: 0}
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             pending = [node for node in nodes if node not in probs_of]
             if pending:
                 self.feed(tree, pending, slot_of, probs_of, base, context.sampling)
-            return [self.candidates(probs_of[node], context, sampled) for node in nodes]
+            for node in nodes:
+                if node not in depth_of:
+                    depth_of[node] = depth_of[tree.parents[node]] + 1
+            return [self.candidates(probs_of[node], context, sampled, base + depth_of[node]) for node in nodes]
 
         draft = build_tree(context.tree_kind, tokens[-1], expand, context.depth, context.width, context.max_nodes)
         self.cache.rollback(base)
@@ -101,11 +107,16 @@ class DraftModelDrafter:
             probs_of[node] = probs[row]
 
     @staticmethod
-    def candidates(probs: torch.Tensor, context: DraftContext, sampled: bool) -> Candidates:
+    def candidates(probs: torch.Tensor, context: DraftContext, sampled: bool, position: int) -> Candidates:
+        """A node's children; ``position``: theirs (absolute), for the Gumbel noise."""
         count = 1 if context.tree_kind == "chain" else context.width
         if sampled:
             drawn = torch.multinomial(probs, count, replacement=True, generator=context.generator)
             return [(int(token), float(probs[token])) for token in drawn]
+        if context.noise_seed is not None:
+            scores = torch.log(probs) + gumbel_noise(context.noise_seed, position, probs.shape[0])
+            chosen = torch.topk(scores, count).indices
+            return [(int(token), float(probs[token])) for token in chosen]
         top = torch.topk(probs, count)
         return [(int(token), float(prob)) for prob, token in zip(top.values, top.indices, strict=True)]
 

@@ -33,6 +33,7 @@ from causaldraft.drafters.lookup import LookupDrafter
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
+from causaldraft.sampling import gumbel_noise
 from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
 
 INITIAL_ROWS = 1024
@@ -141,6 +142,7 @@ class Eagle3Drafter:
         slots: dict[int, int] = {0: self.committed - 1}  # node -> its cache row
         depths: dict[int, int] = {0: 0}
         written = self.committed
+        root_position = len(context.tokens) - 1
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             nonlocal written
@@ -167,11 +169,9 @@ class Eagle3Drafter:
                     outputs[node] = out[row]
                 written += len(fresh)
             states = torch.stack([outputs[node] for node in nodes])  # [m, h]
-            probs = torch.softmax(self.project(layer.norm(states)).float(), dim=-1)  # [m, V']
-            top = torch.topk(probs, count, dim=-1)
-            ids = layer.vocab_ids[top.indices].tolist()
-            values = top.values.tolist()
-            return [list(zip(ids[row], values[row], strict=True)) for row in range(len(nodes))]
+            logits = self.project(layer.norm(states)).float()  # [m, V']
+            children_at = [root_position + depths[node] + 1 for node in nodes]
+            return rank_children(logits, layer.vocab_ids, layer.config.vocab_size, count, context, children_at)
 
         return expand
 
@@ -185,6 +185,34 @@ class Eagle3Drafter:
         while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
             matched += 1
         self.lookup.record(matched, len(self.last_lookup))
+
+
+def rank_children(
+    logits: torch.Tensor,  # [m, V'] draft logits of m nodes
+    vocab_ids: torch.Tensor,  # [V'] target id of each draft id
+    vocab_size: int,  # the target's
+    count: int,
+    context: DraftContext,
+    positions: list[int],  # absolute position of each node's children
+) -> list[Candidates]:
+    """Each node's ``count`` best children as (target id, draft probability).
+
+    Greedy / rejection sampling: the most probable draft tokens. Gumbel sampling: the target
+    emits argmax(log p + g) with g the noise of the child's position, so the draft ranks by
+    log q + g with the same noise (q at the request's temperature) and guesses that very token."""
+    probs = torch.softmax(logits, dim=-1)  # [m, V']
+    ranking = probs
+    if context.noise_seed is not None:
+        scaled = torch.log_softmax(logits / context.sampling.temperature, dim=-1)
+        noise = torch.stack(
+            [gumbel_noise(context.noise_seed, position, vocab_size)[vocab_ids] for position in positions]
+        )
+        ranking = scaled + noise
+        probs = scaled.exp()
+    top = torch.topk(ranking, count, dim=-1).indices  # [m, count]
+    ids = vocab_ids[top].tolist()
+    values = probs.gather(1, top).tolist()
+    return [list(zip(ids[row], values[row], strict=True)) for row in range(len(positions))]
 
 
 def default_eagle3_dir() -> Path:

@@ -41,6 +41,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--epochs", type=float, default=eagle.epochs, help="eagle3: passes over the data")
     parser.add_argument("--ttt-steps", type=int, default=eagle.steps, help="eagle3: unrolled draft depths trained")
     parser.add_argument("--rows-per-batch", type=int, default=eagle.rows_per_batch, help="eagle3: rows per step")
+    parser.add_argument("--context", type=int, default=eagle.context, help="eagle3: prompt rows kept per sequence")
     parser.set_defaults(func=run)
 
 
@@ -70,7 +71,7 @@ def run_eagle3(args: argparse.Namespace) -> int:
                                   threads=max(args.threads, 2))  # fmt: skip
     lr = args.lr if args.lr != TrainConfig().lr else defaults.lr
     training = Eagle3TrainConfig(epochs=args.epochs, rows_per_batch=args.rows_per_batch, steps=args.ttt_steps,
-                                 lr=lr, seed=args.seed)  # fmt: skip
+                                 context=args.context, lr=lr, seed=args.seed)  # fmt: skip
     recipe = Eagle3Recipe(
         model=args.model, prompts=tuple(args.prompts), out=args.out, draft_vocab=args.draft_vocab, work=args.work,
         dtype=args.dtype, generation=generation, training=training,

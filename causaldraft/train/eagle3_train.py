@@ -37,7 +37,7 @@ class Eagle3TrainConfig:
     epochs: float = 1.0
     rows_per_batch: int = 1536
     steps: int = 5  # TTT unroll = draft depths trained
-    context: int = 96  # prompt rows kept before the response
+    context: int = 48  # prompt rows kept before the response
     lr: float = 5e-4
     weight_decay: float = 0.0
     warmup: int = 40

@@ -30,10 +30,10 @@ import torch
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, read_config
 from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
-from causaldraft.sampling import gumbel_noise
 from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
 
 INITIAL_ROWS = 1024
@@ -185,34 +185,6 @@ class Eagle3Drafter:
         while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
             matched += 1
         self.lookup.record(matched, len(self.last_lookup))
-
-
-def rank_children(
-    logits: torch.Tensor,  # [m, V'] draft logits of m nodes
-    vocab_ids: torch.Tensor,  # [V'] target id of each draft id
-    vocab_size: int,  # the target's
-    count: int,
-    context: DraftContext,
-    positions: list[int],  # absolute position of each node's children
-) -> list[Candidates]:
-    """Each node's ``count`` best children as (target id, draft probability).
-
-    Greedy / rejection sampling: the most probable draft tokens. Gumbel sampling: the target
-    emits argmax(log p + g) with g the noise of the child's position, so the draft ranks by
-    log q + g with the same noise (q at the request's temperature) and guesses that very token."""
-    probs = torch.softmax(logits, dim=-1)  # [m, V']
-    ranking = probs
-    if context.noise_seed is not None:
-        scaled = torch.log_softmax(logits / context.sampling.temperature, dim=-1)
-        noise = torch.stack(
-            [gumbel_noise(context.noise_seed, position, vocab_size)[vocab_ids] for position in positions]
-        )
-        ranking = scaled + noise
-        probs = scaled.exp()
-    top = torch.topk(ranking, count, dim=-1).indices  # [m, count]
-    ids = vocab_ids[top].tolist()
-    values = probs.gather(1, top).tolist()
-    return [list(zip(ids[row], values[row], strict=True)) for row in range(len(positions))]
 
 
 def default_eagle3_dir() -> Path:

@@ -33,6 +33,7 @@ from torch import nn
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
@@ -237,6 +238,7 @@ class HeadsDrafter:
         states: dict[int, torch.Tensor] = {}  # node -> its state [hidden] (s_{depth+1})
         depths: dict[int, int] = {0: 0}
         medusa_states: dict[int, torch.Tensor] = {}
+        root_position = len(context.tokens) - 1
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             for node in nodes:
@@ -250,13 +252,11 @@ class HeadsDrafter:
                 if heads.config.kind == "medusa":
                     state = state[:1]  # one distinct row per depth
                 normed = heads.out_norms[depth](state).to(torch.bfloat16)  # [m, hidden]
-                probs = torch.softmax(self.project(normed).float(), dim=-1)  # [m, V']
-                top = torch.topk(probs, count, dim=-1)
-                ids = heads.vocab_ids[top.indices].tolist()  # [m, count]
-                values = top.values.tolist()
+                logits = self.project(normed).float()  # [m, V'] (one row for medusa)
+                children_at = [root_position + depth + 1] * logits.shape[0]
+                ranked = rank_children(logits, heads.vocab_ids, heads.config.vocab_size, count, context, children_at)
                 for row, node in enumerate(group):
-                    source = min(row, len(ids) - 1)
-                    result[node] = list(zip(ids[source], values[source], strict=True))
+                    result[node] = ranked[min(row, len(ranked) - 1)]
             return [result[node] for node in nodes]
 
         return expand

@@ -49,7 +49,7 @@ def test_plain_greedy_matches_transformers_generate(
         assert ours == expected.tolist()
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+@pytest.mark.parametrize("drafter", ["lookup", "draft", "eagle3", "markov"])
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
 def test_speculative_greedy_is_token_identical_on_the_default_model(
     default_fp32: LoadedModel, plain_outputs: dict[str, list[int]], drafter: str, tree: str

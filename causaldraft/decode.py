@@ -173,7 +173,7 @@ def verify_step(
     if sampling.greedy:
         return verify_greedy(draft.tree, out.logits), out
     if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
-        positions = (compiled.depths + length).tolist()
+        positions = (compiled.depths + length + 1).tolist()  # where each node's sampled next token goes
         return verify_greedy(draft.tree, gumbel_scores(out.logits, positions, sampling, state.noise_seed)), out
     target_probs = warp_probs(out.logits, sampling)
     if decoder.decode.acceptance == "naive":

@@ -75,7 +75,8 @@ def gumbel_noise(seed: int, position: int, size: int) -> torch.Tensor:
 
 
 def gumbel_scores(logits: torch.Tensor, positions: list[int], sampling: SamplingConfig, seed: int) -> torch.Tensor:
-    """log(warped probabilities) + the positions' Gumbel noise: [n, vocab] (float32).
+    """log(warped probabilities) + Gumbel noise: [n, vocab] (float32). ``positions[i]``: the absolute
+    position of the token row i samples (the row's own position + 1), the key drafters use too.
 
     Gumbel-max: argmax over a row is an exact sample of that row's warped distribution, and with
     noise keyed by (seed, position) it is the very token plain seeded sampling draws there.

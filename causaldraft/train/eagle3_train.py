@@ -30,6 +30,8 @@ from causaldraft.drafters.eagle3_model import Eagle3Layer
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import apply_rope
 from causaldraft.train.data import shard_paths
+from causaldraft.train.evaluate import Evaluation
+from causaldraft.train.trainer import draft_index
 
 
 @dataclass(frozen=True)
@@ -226,13 +228,6 @@ def learning_rate(config: Eagle3TrainConfig, step: int, total: int) -> float:
     return config.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def draft_index(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[vocab] long: each target id's draft id, -1 if outside the draft vocabulary."""
-    index = torch.full((vocab_size,), -1, dtype=torch.long)
-    index[vocab_ids] = torch.arange(vocab_ids.shape[0])
-    return index
-
-
 def train_layer(
     layer: Eagle3Layer,
     sequences: list[Sequence],
@@ -280,25 +275,9 @@ def train_layer(
     return history
 
 
-@dataclass(frozen=True)
-class Eagle3Evaluation:
-    top1: tuple[float, ...]  # per depth, given the earlier depths were right (teacher-forced path)
-    top5: tuple[float, ...]
-    chain_accepted: float  # 1 + mean run of right top-1 guesses from depth 1
-    rows: int
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "top1": [round(value, 4) for value in self.top1],
-            "top5": [round(value, 4) for value in self.top5],
-            "chain_accepted": round(self.chain_accepted, 4),
-            "rows": self.rows,
-        }
-
-
 def evaluate_layer(
     layer: Eagle3Layer, sequences: list[Sequence], embed: torch.Tensor, steps: int, context: int, chunk: int = 8
-) -> Eagle3Evaluation:
+) -> Evaluation:
     """Held-out accuracy per draft depth, counted at the rows where every depth has a target.
     Rows are the response rows p >= P-1 (the root after the prompt and after each response token)."""
     to_draft = draft_index(layer.vocab_ids, embed.shape[0])
@@ -323,7 +302,7 @@ def evaluate_layer(
                 run += alive.float()
             run_total += float(run[first].sum())
             rows_total += int(first.sum())
-    return Eagle3Evaluation(
+    return Evaluation(
         tuple((hits1 / tries.clamp(min=1)).tolist()),
         tuple((hits5 / tries.clamp(min=1)).tolist()),
         1.0 + run_total / max(1, rows_total),

@@ -29,12 +29,12 @@ import torch
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, read_config
-from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
-from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
+from causaldraft.tree import Candidates, Tree, build_tree
 
 INITIAL_ROWS = 1024
 
@@ -47,7 +47,7 @@ class Eagle3Drafter:
         self.layer = layer
         self.backend = backend
         self.feature_layers = layer.config.aux_layers
-        self.lookup = LookupDrafter() if lookup_merge else None
+        self.lookup = LookupMerge() if lookup_merge else None
         c = layer.config
         self.keys = torch.zeros(c.kv_heads, INITIAL_ROWS, c.head_dim, dtype=layer.dtype)  # [kvh, rows, hd]
         self.values = torch.zeros_like(self.keys)
@@ -58,7 +58,6 @@ class Eagle3Drafter:
         self.project: Callable[[torch.Tensor], torch.Tensor] = (
             Int8Linear(quantize_int8(layer.lm_head.weight.detach()), None) if int8 else layer.lm_head
         )  # [m, h] -> [m, V']
-        self.last_lookup: tuple[int, ...] = ()
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
         self.committed = 0
@@ -68,7 +67,6 @@ class Eagle3Drafter:
             self.queue(prompt[1:], features)
         if self.lookup is not None:
             self.lookup.start(prompt)
-        self.last_lookup = ()
 
     def queue(self, tokens: tuple[int, ...] | list[int], features: torch.Tensor) -> None:
         """Rows for the next target positions: features [m, F] and the m tokens that follow them."""
@@ -111,26 +109,14 @@ class Eagle3Drafter:
             self.catch_up()
         if self.root_out is None or self.committed != len(context.tokens) - 1:
             return Draft.root_only(context.tokens[-1])
-        paths = self.lookup_paths(context)
-        reserve = len({path[:end] for path in paths for end in range(1, len(path) + 1)})
-        budget = max(2, context.max_nodes - reserve)
+        paths = self.lookup.paths(context) if self.lookup is not None else []
+        budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
         if self.lookup is not None:
-            for rank, path in enumerate(paths):
-                for end in range(1, len(path) + 1):
-                    merge_paths(draft, [path[:end]], self.lookup.score(end - 1, rank), context.max_nodes)
+            self.lookup.merge(draft, paths, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
-
-    def lookup_paths(self, context: DraftContext) -> list[tuple[int, ...]]:
-        if self.lookup is None:
-            self.last_lookup = ()
-            return []
-        limit = 1 if context.tree_kind == "chain" else 2
-        paths = self.lookup.continuations(context.tokens, context.depth, limit)
-        self.last_lookup = paths[0] if paths else ()
-        return paths
 
     def expander(self, context: DraftContext) -> Callable[[Tree, list[int]], list[Candidates]]:
         """The tree builder's expand(tree, nodes): one layer pass per call over the given nodes
@@ -178,13 +164,8 @@ class Eagle3Drafter:
     def observe(self, result: StepResult) -> None:
         if result.features is not None:
             self.queue(result.acceptance.tokens, result.features)
-        if not self.last_lookup or self.lookup is None:
-            return
-        emitted = result.acceptance.tokens
-        matched = 0
-        while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
-            matched += 1
-        self.lookup.record(matched, len(self.last_lookup))
+        if self.lookup is not None:
+            self.lookup.observe(result)
 
 
 def default_eagle3_dir() -> Path:

@@ -32,12 +32,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
-from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
-from causaldraft.tree import Candidates, Tree, build_tree, merge_paths
+from causaldraft.tree import Candidates, Tree, build_tree
 
 HEAD_KINDS = ("markov", "medusa")
 CONFIG_FILE = "heads_config.json"
@@ -193,42 +193,28 @@ class HeadsDrafter:
         self.heads = heads
         self.backend = backend
         self.name = heads.config.kind
-        self.lookup = LookupDrafter() if lookup_merge else None  # its score() rates merged paths
+        self.lookup = LookupMerge() if lookup_merge else None
         # drafting reads the output rows once per tree level: bf16 halves the (memory-bound) cost
         out_weight = heads.out_weight.to(torch.bfloat16)  # [V', hidden]
         self.project: Callable[[torch.Tensor], torch.Tensor] = (
             Int8Linear(quantize_int8(heads.out_weight), None) if int8 else lambda x: x @ out_weight.t()
         )  # [m, hidden] bf16 -> [m, V'] logits
-        self.last_lookup: tuple[int, ...] = ()
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         if self.lookup is not None:
             self.lookup.start(prompt)
-        self.last_lookup = ()
 
     def propose(self, context: DraftContext) -> Draft:
         if context.hidden is None:
             return Draft.root_only(context.tokens[-1])
-        paths = self.lookup_paths(context)
-        reserve = len({path[:end] for path in paths for end in range(1, len(path) + 1)})
-        budget = max(2, context.max_nodes - reserve)
+        paths = self.lookup.paths(context) if self.lookup is not None else []
+        budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
-        if self.lookup is not None:  # paths is empty without it
-            for rank, path in enumerate(paths):
-                for end in range(1, len(path) + 1):
-                    merge_paths(draft, [path[:end]], self.lookup.score(end - 1, rank), context.max_nodes)
+        if self.lookup is not None:
+            self.lookup.merge(draft, paths, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
-
-    def lookup_paths(self, context: DraftContext) -> list[tuple[int, ...]]:
-        if self.lookup is None:
-            self.last_lookup = ()
-            return []
-        limit = 1 if context.tree_kind == "chain" else 2
-        paths = self.lookup.continuations(context.tokens, context.depth, limit)
-        self.last_lookup = paths[0] if paths else ()
-        return paths
 
     def expander(self, context: DraftContext):  # type: ignore[no-untyped-def]
         """The tree builder's expand(tree, nodes): each node's top children from head depth + 1."""
@@ -288,13 +274,8 @@ class HeadsDrafter:
         return state
 
     def observe(self, result: StepResult) -> None:
-        if not self.last_lookup or self.lookup is None:
-            return
-        emitted = result.acceptance.tokens
-        matched = 0
-        while matched < min(len(emitted), len(self.last_lookup)) and emitted[matched] == self.last_lookup[matched]:
-            matched += 1
-        self.lookup.record(matched, len(self.last_lookup))
+        if self.lookup is not None:
+            self.lookup.observe(result)
 
 
 def default_heads_dir(kind: str) -> Path:

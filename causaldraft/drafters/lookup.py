@@ -89,3 +89,41 @@ class LookupDrafter:
             for node in range(1, tree.size):
                 depth[node] = depth[tree.parents[node]] + 1
             self.record(len(result.acceptance.path) - 1, max(depth))
+
+
+class LookupMerge:
+    """Prompt-lookup paths merged into a model drafter's tree (heads, eagle3), with their own
+    acceptance rates: ``paths`` before drafting, ``merge`` after, ``observe`` after verifying."""
+
+    def __init__(self) -> None:
+        self.lookup = LookupDrafter()
+        self.last: tuple[int, ...] = ()  # the first path proposed, whose acceptance is recorded
+
+    def start(self, prompt: tuple[int, ...]) -> None:
+        self.lookup.start(prompt)
+        self.last = ()
+
+    def paths(self, context: DraftContext) -> list[tuple[int, ...]]:
+        limit = 1 if context.tree_kind == "chain" else 2
+        paths = self.lookup.continuations(context.tokens, context.depth, limit)
+        self.last = paths[0] if paths else ()
+        return paths
+
+    @staticmethod
+    def reserve(paths: list[tuple[int, ...]]) -> int:
+        """Tree nodes the paths may add (distinct prefixes)."""
+        return len({path[:end] for path in paths for end in range(1, len(path) + 1)})
+
+    def merge(self, draft: TreeDraft, paths: list[tuple[int, ...]], max_nodes: int) -> None:
+        for rank, path in enumerate(paths):
+            for end in range(1, len(path) + 1):
+                merge_paths(draft, [path[:end]], self.lookup.score(end - 1, rank), max_nodes)
+
+    def observe(self, result: StepResult) -> None:
+        if not self.last:
+            return
+        emitted = result.acceptance.tokens
+        matched = 0
+        while matched < min(len(emitted), len(self.last)) and emitted[matched] == self.last[matched]:
+            matched += 1
+        self.lookup.record(matched, len(self.last))

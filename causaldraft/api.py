@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,9 @@ from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig, validat
 from causaldraft.decode import Decoder, GenerationStats, decode_steps, prefill
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import Backend
 from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import make_generator
 
 
@@ -38,6 +41,11 @@ class Engine:
     adapt: AdaptState
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = "stop"
+
+    @property
+    def compiled(self) -> bool:
+        backend = self.model.backend
+        return isinstance(backend, NativeLlama) and backend.compiled
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
@@ -172,17 +180,43 @@ class TextTracker:
         return self.take(final=True)
 
 
-def compile_backend(target: LoadedModel) -> None:
-    compiler = getattr(target.backend, "compile", None)
-    if compiler is None or not hasattr(target.backend, "compiled_body"):
-        raise CausalDraftError("--compile needs the native backend")
-    if target.backend.compiled_body is None:  # type: ignore[attr-defined]
-        compiler()
+def compile_backend(target: LoadedModel, progress: bool = True) -> bool:
+    """Run the target's passes through compiled graphs (built once, then loaded from disk).
+    Returns False, after one line saying why, where no compiler is available."""
+    from causaldraft.models.compiled import compiler_available
+
+    backend = target.backend
+    if not isinstance(backend, NativeLlama):
+        raise CausalDraftError("compiling needs the native backend (--backend native)")
+    if backend.compiled:
+        return True
+    reason = compiler_available()
+    if reason is not None:
+        print(f"causaldraft: running eagerly: {reason}", file=sys.stderr)
+        return False
+    backend.compile(progress=progress)
+    return True
+
+
+def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], remeasure: bool = False) -> VerifyCost:
+    """The measured cost of verify passes. With compiled graphs it is measured once and kept
+    beside them (``remeasure`` times it again); the decode loop refines it from every step."""
+    compiled = isinstance(backend, NativeLlama) and backend.compiled
+    store = backend.graph_store if isinstance(backend, NativeLlama) and compiled else None
+    name = f"max_nodes={max_nodes} aux_layers={list(aux_layers)}"
+    if store is not None and not remeasure:
+        seconds = store.read_calibration(name)
+        if seconds:
+            return VerifyCost(seconds, buckets=backend.buckets if isinstance(backend, NativeLlama) else ())
+    cost = measure_verify_cost(backend, max_nodes, aux_layers=aux_layers)
+    if store is not None:
+        store.write_calibration(name, cost.seconds)
+    return cost
 
 
 def load(
     model: str = "default",
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     drafter: str = "markov",
     tree: str = "dynamic",
     backend: str = "native",
@@ -218,9 +252,9 @@ def load(
     if compile:
         compile_backend(target)
     options = DrafterOptions(draft_model=draft_model, draft_layers=draft_layers, heads=heads, lookup_merge=lookup_merge)
-    chosen = build_drafter(drafter, target, options, dtype)
+    chosen = build_drafter(drafter, target, options, target.dtype)
     if calibrate:
-        cost = measure_verify_cost(target.backend, tree_config.max_nodes, aux_layers=chosen.feature_layers)
+        cost = verify_cost(target.backend, tree_config.max_nodes, chosen.feature_layers)
     else:
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()

@@ -14,8 +14,17 @@ from causaldraft.errors import CausalDraftError
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="default, a local HF checkpoint directory or a .gguf file")
     parser.add_argument("--backend", choices=BACKENDS, default="native")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the native forward (slow start)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto (default): int4 for a model from a 4-bit GGUF file, as the default model is; "
+                        "bfloat16 otherwise")  # fmt: skip
+    parser.add_argument("--compile", dest="compile", action="store_true", default=None,
+                        help="compiled forward graphs, built once and kept on disk (the default)")  # fmt: skip
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the forward eagerly")
+
+
+def compile_wanted(args: argparse.Namespace) -> bool:
+    """Compiled unless --no-compile (or the hf backend, which has no compiled path)."""
+    return bool(args.compile) if args.compile is not None else args.backend == "native"
 
 
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
@@ -46,7 +55,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "model": args.model,
         "backend": args.backend,
         "dtype": args.dtype,
-        "compile": args.compile,
+        "compile": compile_wanted(args),
         "drafter": args.drafter,
         "tree": args.tree,
         "depth": args.depth,
@@ -93,7 +102,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     result = engine.generate(args.prompt, **options)
     if args.json:
-        payload = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.summary(),
+        stats = {**result.stats.summary(), "dtype": engine.model.dtype, "compiled": engine.compiled}
+        payload = {"text": result.text, "token_ids": result.token_ids, "stats": stats,
                    "finish_reason": result.finish_reason}  # fmt: skip
         print(json.dumps(payload))
     else:
@@ -110,6 +120,29 @@ def run_export(args: argparse.Namespace) -> int:
     target = load_model(args.model, "native", "bfloat16")
     out = export_eagle3(Path(args.directory), target, Path(args.out), args.verifier)
     print(json.dumps({"exported": str(out), "format": args.format}))
+    return 0
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """Build the compiled graphs ahead (``make setup`` runs this for the default model) and time
+    verify passes for the default node budget, for drafters with and without target features."""
+    from causaldraft.api import compile_backend, verify_cost
+    from causaldraft.models.loading import load_model
+    from causaldraft.models.native import NativeLlama, default_aux_layers
+
+    target = load_model(args.model, "native", args.dtype)
+    backend = target.backend
+    assert isinstance(backend, NativeLlama)
+    if not compile_backend(target):
+        return 1
+    max_nodes = args.max_nodes or TreeConfig().max_nodes
+    seconds = {}
+    for aux_layers in ((), default_aux_layers(backend.llama_shape.num_layers)):
+        cost = verify_cost(backend, max_nodes, aux_layers, remeasure=True)
+        seconds[str(list(aux_layers))] = {size: round(value * 1000, 2) for size, value in sorted(cost.seconds.items())}
+    store = backend.graph_store
+    print(json.dumps({"model": str(target.model_dir), "dtype": target.dtype, "buckets": list(backend.buckets),
+                      "graphs": str(store.directory if store else ""), "verify_ms": seconds}))  # fmt: skip
     return 0
 
 
@@ -141,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(show)
     add_drafter_flags(show, default_drafter="lookup")
     show.set_defaults(func=run_show_tree)
+
+    compile_command = commands.add_parser("compile", help="build the compiled graphs for a model ahead (kept on disk)")
+    compile_command.add_argument("--model", default="default", help="default, a checkpoint directory or a .gguf file")
+    compile_command.add_argument("--dtype", choices=DTYPES, default="auto")
+    compile_command.add_argument("--max-nodes", type=int, default=None, help="node budget ceiling to time passes for")
+    compile_command.set_defaults(func=run_compile)
 
     export = commands.add_parser("export-heads", help="write a trained eagle3 drafter for vLLM (speculators layout)")
     export.add_argument("directory", help="trained eagle3 directory (causaldraft train-heads --heads eagle3)")

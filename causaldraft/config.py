@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from causaldraft.errors import CausalDraftError
 
-DTYPES = ("float32", "bfloat16", "int8", "int4")
+DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")  # auto: int4 for a 4-bit GGUF model, else bfloat16
 BACKENDS = ("native", "hf")
 TREE_KINDS = ("chain", "static", "dynamic")
 ACCEPTANCE_RULES = ("lossless", "naive")

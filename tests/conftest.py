@@ -44,3 +44,9 @@ def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep converted/quantized caches of tests out of the user's home, except the default model."""
     monkeypatch.setenv("CAUSALDRAFT_TEST", "1")
+
+
+@pytest.fixture(scope="session")
+def graph_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Compiled graph packages of the tiny models, shared by this session's tests (never the user's)."""
+    return tmp_path_factory.mktemp("compiled")

@@ -149,23 +149,27 @@ def test_unknown_dtype_and_backend_are_clear_errors(tiny_llama_dir: Path) -> Non
 
 
 @pytest.mark.slow
-def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: Path) -> None:
+def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: Path, graph_root: Path) -> None:
     import causaldraft
+    from causaldraft.models.compiled import GraphKey, GraphStore
+    from causaldraft.models.native import default_aux_layers
 
     plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
     expected = plain.generate("hello world hello world", max_new_tokens=20).token_ids
     loaded = load_model(str(tiny_llama_dir), "native", "float32")
-    loaded.backend.compile(buckets=(1, 4, 32))  # type: ignore[attr-defined]
+    backend = loaded.backend
+    assert isinstance(backend, NativeLlama)
+    store = GraphStore(GraphKey.of(backend, default_aux_layers(backend.llama_shape.num_layers)), graph_root)
+    backend.compile(buckets=(1, 4, 32), store=store)
     spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
     assert spec.generate("hello world hello world", max_new_tokens=20).token_ids == expected
     # another prompt length and cache size reuses the same graphs: only the attention span is dynamic
-    from torch._dynamo.utils import counters
-
-    graphs = counters["stats"]["unique_graphs"]
+    builds = store.builds
     longer = "the quick brown fox jumps over the lazy dog, the quick brown fox"
     expected = plain.generate(longer, max_new_tokens=30).token_ids
     assert spec.generate(longer, max_new_tokens=30).token_ids == expected
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert store.builds == builds
+    assert sorted(path.name for path in store.directory.glob("*.pt2")) == [f"bucket-{n}.pt2" for n in (1, 32, 4)]
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_gpt2_dir", "tiny_llama_dir"])

@@ -21,7 +21,7 @@ from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
-from causaldraft.models.native import NativeLlama
+from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -219,18 +219,22 @@ def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_target_serves_eagle3_features_from_the_same_graphs(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_compiled_target_serves_eagle3_features_from_the_same_graphs(
+    tiny_llama_dir: Path, tmp_path: Path, graph_root: Path
+) -> None:
     """Compiled graphs return the default feature layers always: plain decoding and eagle3 share
     one graph per bucket, and eagle3 output stays token-identical."""
-    from torch._dynamo.utils import counters
+    from causaldraft.models.compiled import GraphKey, GraphStore
 
     loaded = load_model(str(tiny_llama_dir), "native", "float32")
     expected = plain(loaded, PROMPTS[:2], 24)
     assert isinstance(loaded.backend, NativeLlama)
-    loaded.backend.compile(buckets=(1, 4, 32))
+    aux_layers = default_aux_layers(loaded.backend.llama_shape.num_layers)
+    store = GraphStore(GraphKey.of(loaded.backend, aux_layers), graph_root)
+    loaded.backend.compile(buckets=(1, 4, 32), store=store)
     plain_compiled = load(loaded=loaded, drafter="none", calibrate=False)
     assert plain_compiled.generate(PROMPTS[0], max_new_tokens=24).token_ids == expected[0]
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = store.builds
     vocab_ids = torch.arange(0, 259, 2)
     layer = new_layer(eagle3_config(loaded, vocab_ids.numel()), vocab_ids, loaded.backend.lm_head_weight(), 0)
     assert layer.config.aux_layers == loaded.backend.graph_aux_layers
@@ -239,7 +243,7 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(tiny_llama_
                 max_nodes=4)  # fmt: skip
     for prompt, tokens in zip(PROMPTS[:2], expected, strict=True):
         assert spec.generate(prompt, max_new_tokens=24).token_ids == tokens
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert store.builds == graphs
 
 
 def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_path: Path) -> None:

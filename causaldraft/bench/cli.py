@@ -8,7 +8,7 @@ import sys
 
 from causaldraft.bench.harness import DEFAULT_BUDGETS, BenchConfig
 from causaldraft.bench.methods import EngineOptions, parse_methods
-from causaldraft.cli import add_draft_options, add_model_flags
+from causaldraft.cli import add_draft_options, add_model_flags, compile_wanted
 from causaldraft.errors import CausalDraftError
 
 DEFAULT_OUT = "bench-out"
@@ -54,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        backend=args.backend, dtype=args.dtype, temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, limit=args.limit, categories=categories,
                        repeats=args.repeats, warmup=args.warmup, seed=args.seed, profile=args.profile,
-                       budgets=parse_budgets(args.budgets), compile=args.compile, engine=engine)  # fmt: skip
+                       budgets=parse_budgets(args.budgets), compile=compile_wanted(args), engine=engine)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

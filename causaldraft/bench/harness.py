@@ -9,7 +9,7 @@ is recorded with its error and the others go on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -37,7 +37,7 @@ class BenchConfig:
     methods: tuple[str, ...]
     model: str = "default"
     backend: str = "native"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     temperature: float = 0.0
     max_new_tokens: int = 256
     limit: int | None = None
@@ -47,7 +47,7 @@ class BenchConfig:
     seed: int = 0
     profile: bool = False
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    compile: bool = False  # torch.compile the shared native target (every causaldraft method)
+    compile: bool = True  # compiled graphs for the shared native target (every causaldraft method)
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
@@ -201,10 +201,11 @@ def run_bench(config: BenchConfig, progress: bool = True, loaded: LoadedModel | 
     target = loaded or load_model(config.model, config.backend, config.dtype)
     if config.compile:
         compile_backend(target)
+    config = replace(config, dtype=target.dtype)  # ``auto`` resolved: the report names what ran
     run = BenchRun(config, questions, model_dir=str(target.model_dir), fingerprint=target.fingerprint)
     encoder = load(config.model, config.dtype, drafter="none", loaded=target, calibrate=False)
     tokenizer = target.tokenizer
-    factory = MethodFactory(target, config.model, config.dtype, config.engine, config.seed)
+    factory = MethodFactory(target, config.model, target.dtype, config.engine, config.seed)
     methods = build_methods(config, factory, run.errors)
     warm_up(config, methods, encoder, questions[0], run.errors)
     run.records = run_questions(config, methods, encoder, tokenizer, questions, config.repeats, run.errors, progress)

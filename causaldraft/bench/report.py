@@ -33,8 +33,7 @@ def command_line(config: BenchConfig) -> str:
     if config.categories:
         parts += ["--categories", ",".join(config.categories)]
     parts += ["--repeats", str(config.repeats)]
-    if config.compile:
-        parts.append("--compile")
+    parts.append("--compile" if config.compile else "--no-compile")
     engine = config.engine
     for flag, value in (("--depth", engine.depth), ("--width", engine.width), ("--max-nodes", engine.max_nodes),
                         ("--draft-model", engine.draft_model), ("--heads", engine.heads)):  # fmt: skip

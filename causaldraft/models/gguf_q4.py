@@ -107,3 +107,15 @@ def read_q4_1_weights(gguf_path: Path, shape: LlamaShape, wanted: set[str]) -> d
         "the LM head is re-quantized to int8 per channel"
     )
     return weights
+
+
+def is_4bit_gguf(gguf_path: Path) -> bool:
+    """Whether most of the file's layer weights are stored in a 4-bit format (Q4_0, Q4_1, Q4_K...)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception:  # gguf raises several types for bad files; such a file is not int4 material
+        return False
+    kinds = [GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors if our_name(tensor.name)]
+    return bool(kinds) and sum(kind.startswith("Q4") for kind in kinds) * 2 > len(kinds)

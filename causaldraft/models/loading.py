@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,13 +22,10 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
 from causaldraft.models.native import NativeLlama
+from causaldraft.paths import causaldraft_home
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def causaldraft_home() -> Path:
-    return Path(os.environ.get("CAUSALDRAFT_HOME", Path.home() / ".cache" / "causaldraft"))
 
 
 def default_gguf_path() -> Path:
@@ -112,6 +108,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     fingerprint: str
+    dtype: str  # what was loaded: float32, bfloat16, int8 or int4 (``auto`` resolved)
 
 
 def model_fingerprint(backend: Backend) -> str:
@@ -123,10 +120,40 @@ def model_fingerprint(backend: Backend) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_model(model: str = "default", backend: str = "native", dtype: str = "bfloat16") -> LoadedModel:
-    if dtype not in TORCH_DTYPES and dtype not in ("int8", "int4"):
-        raise CausalDraftError(f"dtype must be one of float32, bfloat16, int8, int4; got {dtype!r}")
+def resolve_dtype(model_dir: Path, dtype: str, backend: str = "native") -> str:
+    """``auto`` is the fastest faithful dtype: int4 for a model converted from a 4-bit GGUF file
+    (its weights load as they are), bfloat16 otherwise (and always on the hf backend)."""
+    if dtype != "auto":
+        return dtype
+
+    return "int4" if backend == "native" and converted_from_4bit(model_dir) else "bfloat16"
+
+
+def converted_from_4bit(model_dir: Path) -> bool:
+    """Whether the checkpoint was converted from a GGUF file stored mostly in 4-bit formats. Read
+    once from the file (seconds: gguf parses every tensor's header) and recorded beside it."""
+    from causaldraft.models.gguf_q4 import is_4bit_gguf
+    from causaldraft.models.quant import gguf_source
+
+    source_file = model_dir / "causaldraft_source.json"
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        return False
+    record = json.loads(source_file.read_text())
+    if not isinstance(record.get("four_bit"), bool):
+        record["four_bit"] = is_4bit_gguf(gguf)
+        try:
+            source_file.write_text(json.dumps(record))
+        except OSError:
+            pass  # a read-only checkpoint: asked again next time
+    return bool(record["four_bit"])
+
+
+def load_model(model: str = "default", backend: str = "native", dtype: str = "auto") -> LoadedModel:
+    if dtype not in TORCH_DTYPES and dtype not in ("int8", "int4", "auto"):
+        raise CausalDraftError(f"dtype must be one of auto, float32, bfloat16, int8, int4; got {dtype!r}")
     model_dir = resolve_model_dir(model)
+    dtype = resolve_dtype(model_dir, dtype, backend)
     tokenizer = load_tokenizer(model_dir)
     loaded: Backend
     if backend == "native":
@@ -142,4 +169,4 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "bf
         loaded = HFBackend.from_pretrained(model_dir, TORCH_DTYPES[dtype])
     else:
         raise CausalDraftError(f"backend must be native or hf, got {backend!r}")
-    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded))
+    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded), dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Cache, ForwardOutput, ModelShape
+
+if TYPE_CHECKING:
+    from causaldraft.models.compiled import GraphStore
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COMPILE_BUCKETS = (1, 4, 8, 16, 32)
@@ -231,10 +234,12 @@ class NativeLlama(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
-        self.compiled_body: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}  # by bucket
+        self.graph_store: GraphStore | None = None
+        self.graph_weights: dict[str, torch.Tensor] = {}
         self.buckets: tuple[int, ...] = ()
         # compiled graphs always return these layers' inputs (one graph per bucket serves plain
-        # passes and feature drafters alike); a request outside them compiles its own graphs
+        # passes and feature drafters alike); a request outside them runs the eager body
         self.graph_aux_layers: tuple[int, ...] = ()
         self.quantized = False  # set by quant.install_quantized
 
@@ -320,44 +325,38 @@ class NativeLlama(nn.Module):
             aux.append(x)
         return self.norm(x), (torch.cat(aux, dim=-1) if aux else None)
 
-    def compile(self, buckets: tuple[int, ...] | None = None) -> None:  # type: ignore[override]
-        """Compile ``body`` with torch.compile (inductor, frozen weights): one graph per bucket
-        (default ``COMPILE_BUCKETS``, ``QUANTIZED_BUCKETS`` for int8/int4 weights).
+    def compile(self, buckets: tuple[int, ...] | None = None, store: GraphStore | None = None,
+                progress: bool = True) -> None:  # fmt: skip
+        """Run passes of up to max(buckets) new tokens through compiled graphs: AOTInductor packages
+        kept on disk (models/compiled.py), built on first use for this model, dtype and CPU (about a
+        minute per bucket on 2 cores) and loaded in about a second by later processes.
 
-        New-token counts are padded up to ``buckets`` (larger passes, e.g. a long prefill, run
-        eagerly); the attention span is marked dynamic, so any cache length reuses the bucket's
-        graph. Each bucket compiles on first use (about a minute on 2 cores; the engine's verify
-        calibration at load triggers them). Measured here, bf16, ms per pass over 1/8/16/32 new
-        tokens: eager 37/44/52/68, compiled 23/25/31/42 (bench/plain_decoding.py has the figures)."""
-        import torch._dynamo.config as dynamo_config
-        import torch._inductor.config as inductor_config
+        New-token counts are padded up to ``buckets`` (default ``COMPILE_BUCKETS``,
+        ``QUANTIZED_BUCKETS`` for int8/int4 weights); larger passes (a long prefill) run eagerly.
+        The attention span is dynamic, so one graph per bucket serves every cache length. Graphs
+        always return the inputs of ``default_aux_layers``, so plain decoding and feature drafters
+        share them. Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, this 9 ms."""
+        from causaldraft.models.compiled import GraphKey, GraphStore, weights_of
 
-        inductor_config.freezing = True
-        dynamo_config.automatic_dynamic_shapes = False  # only the attention span is dynamic
         if buckets is None:
             buckets = QUANTIZED_BUCKETS if self.quantized else COMPILE_BUCKETS
+        aux_layers = default_aux_layers(self.llama_shape.num_layers)
+        store = store or GraphStore(GraphKey.of(self, aux_layers))
+        self.graphs = store.load_or_build(self, tuple(sorted(buckets)), progress)
+        self.graph_store = store
+        self.graph_weights = weights_of(self)
         self.buckets = tuple(sorted(buckets))
-        self.graph_aux_layers = default_aux_layers(self.llama_shape.num_layers)
-        # the weights are frozen into the graphs, so guards on the modules only cost time (~1 ms a
-        # call); the graphs are told apart by their input shapes (the tensor guards)
-        self.compiled_body = torch.compile(
-            self.body,
-            options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                "realize_opcount_threshold": 8,
-            },
-        )
+        self.graph_aux_layers = aux_layers
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.graphs)
 
     def new_cache(self, max_len: int) -> KVCache:
         s = self.llama_shape
-        if self.compiled_body is None:
-            return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype)
-        # room for a padded bucket beyond max_len; the buffers' length is the graphs' dynamic dim
-        capacity = max_len + max(self.buckets)
-        cache = KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
-        for buffer in (*cache.keys, *cache.values):
-            torch._dynamo.mark_dynamic(buffer, 1)
-        return cache
+        # compiled passes write a padded bucket's rows past the real ones: room for them beyond max_len
+        capacity = max_len + max(self.buckets) if self.graphs else max_len
+        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
 
     def forward(  # type: ignore[override]
         self,
@@ -372,17 +371,18 @@ class NativeLlama(nn.Module):
             raise TypeError("the native backend needs its own KVCache (new_cache)")
         n = tokens.shape[0]
         cache.check_room(n)
-        bucket = next((size for size in self.buckets if size >= n), None) if self.compiled_body else None
+        bucket = next((size for size in self.buckets if size >= n), None) if self.graphs else None
+        if bucket is not None and not set(aux_layers) <= set(self.graph_aux_layers):
+            bucket = None  # features of other layers: the eager body computes them
         with torch.no_grad():
-            if bucket is None or self.compiled_body is None:
+            if bucket is None:
                 slots = torch.arange(cache.length, cache.length + n)
                 hidden, aux = self.body(tokens, positions, mask, slots, cache.keys, cache.values, aux_layers)
             else:
                 padded = pad_to_bucket(tokens, positions, mask, cache, bucket)
-                graph_layers = self.graph_aux_layers if set(aux_layers) <= set(self.graph_aux_layers) else aux_layers
-                hidden, aux = self.compiled_body(*padded, graph_layers)
+                hidden, aux = self.graphs[bucket](self.graph_weights, *padded)
                 hidden = hidden[:n]
-                aux = select_aux(aux[:n], graph_layers, aux_layers) if aux is not None and aux_layers else None
+                aux = select_aux(aux[:n], self.graph_aux_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
         scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         logits = self.lm_head(scored).float()  # [m, vocab]
@@ -417,7 +417,6 @@ def pad_to_bucket(
     padded_mask[:n, :span] = mask
     padded_mask[n:, 0] = True
     slots = torch.arange(cache.length, cache.length + bucket)
-    torch._dynamo.mark_dynamic(padded_mask, 1)  # the cache buffers were marked in new_cache
     return padded_tokens, padded_positions, padded_mask, slots, cache.keys, cache.values
 
 

@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.loading import causaldraft_home
 from causaldraft.models.native import FUSED_PROJECTIONS, NativeLlama
+from causaldraft.paths import causaldraft_home
 
 GROUP_SIZE = 32
 INT4_OUT_MULTIPLE = 16  # the int4 packing kernel needs out_features % 16 == 0

@@ -188,7 +188,8 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": served_model, "object": "model", "created": created, "owned_by": "causaldraft",
-                "context_length": worker.context_length}  # fmt: skip
+                "context_length": worker.context_length, "dtype": engine.model.dtype,
+                "compiled": engine.compiled}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")

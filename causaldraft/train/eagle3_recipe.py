@@ -18,8 +18,9 @@ from transformers import AutoConfig
 from causaldraft.drafters.eagle3_model import Eagle3Config, new_layer, save_layer
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.loading import LoadedModel, causaldraft_home, load_model
+from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
+from causaldraft.paths import causaldraft_home
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
     draft_vocabulary,

@@ -14,7 +14,8 @@ import torch
 
 from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, base_fingerprint, new_heads, save_heads
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.loading import causaldraft_home, load_model
+from causaldraft.models.loading import load_model
+from causaldraft.paths import causaldraft_home
 from causaldraft.train.data import GenerationConfig, generate_data
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.features import compute_features, draft_vocabulary, split_features

@@ -1,0 +1,244 @@
+"""Compiled forward graphs kept on disk: one AOTInductor package per bucket of new-token rows.
+
+A package is built once (``torch.export`` of ``NativeLlama.body`` + ``aoti_compile_and_package``,
+about a minute per bucket on 2 cores) and loaded by later processes in about a second
+(``aoti_load_package``). The weights are inputs of the graph, not constants baked into it, so a
+package holds code only (a few MB), every bucket reads the same weights in memory, and inductor's
+process-wide settings are never touched (its options are passed to the one compile call).
+
+Packages live under ``$CAUSALDRAFT_HOME/compiled/<key>/``; the key covers everything that changes
+the graph: the model's architecture, weight names/shapes/dtypes and rope frequencies, the dtype,
+the feature layers the graph returns, this package's model code, the torch version and the CPU.
+A directory for another key is never read. A package that fails to load is deleted and rebuilt,
+with a message. The verify-cost calibration measured with a set of graphs is kept beside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from causaldraft.cache import KVCache
+from causaldraft.errors import CausalDraftError
+from causaldraft.paths import causaldraft_home
+
+if TYPE_CHECKING:
+    from causaldraft.models.native import NativeLlama
+
+COMPILED_FORMAT = 1
+MAX_SPAN = 32767  # longest attention span a graph accepts (cache slots)
+SECONDS_PER_BUCKET = 75.0  # first-build estimate per bucket for the default model on 2 cores
+Runner = Callable[..., Any]
+
+
+def weights_of(model: NativeLlama) -> dict[str, torch.Tensor]:
+    """The graph's weight inputs by name (parameters and buffers, in a fixed order)."""
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
+    named.update(dict(model.named_buffers()))
+    return {name: named[name] for name in sorted(named)}
+
+
+def architecture_digest(model: NativeLlama) -> str:
+    """What the graph bakes in about the model: its shape, the rope constants and the names,
+    shapes and dtypes of its weights (not their values, which are inputs)."""
+    digest = hashlib.sha256()
+    digest.update(repr(model.llama_shape).encode())
+    digest.update(repr(model.rope_scaling).encode())
+    digest.update(model.inv_freq.float().numpy().tobytes())
+    for name, tensor in weights_of(model).items():
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+    return digest.hexdigest()[:16]
+
+
+def code_digest() -> str:
+    """The source of the modules whose code the graph is traced from."""
+    from causaldraft.models import native, quant
+
+    digest = hashlib.sha256()
+    for module in (native, quant, sys.modules[__name__]):
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_signature() -> str:
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                name += line
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()}-{capability}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    architecture: str
+    dtype: str
+    aux_layers: tuple[int, ...]
+    code: str
+    torch_version: str
+    cpu: str
+    format: int = COMPILED_FORMAT
+
+    @staticmethod
+    def of(model: NativeLlama, aux_layers: tuple[int, ...]) -> GraphKey:
+        dtype = "int4" if model.quantized and _has_int4(model) else "int8" if model.quantized else str(model.dtype)
+        architecture = architecture_digest(model)
+        return GraphKey(architecture, dtype, aux_layers, code_digest(), torch.__version__, cpu_signature())
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _has_int4(model: NativeLlama) -> bool:
+    return any(name.endswith(".packed") for name, _ in model.named_buffers())
+
+
+def compiler_available() -> str | None:
+    """None when AOTInductor can build here, else why not (one line)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # raises when no C++ compiler is found
+        return f"no C++ compiler for torch's inductor ({error})"
+    return None
+
+
+class _Body(torch.nn.Module):
+    """The traced function: weights first, then the body's arguments."""
+
+    def __init__(self, model: NativeLlama, aux_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.aux_layers = aux_layers
+
+    def forward(
+        self, weights: dict[str, torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+        slots: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+    ) -> Any:  # fmt: skip
+        bound = _Bound(self.model, self.aux_layers)
+        named = {f"model.{name}": tensor for name, tensor in weights.items()}
+        return torch.func.functional_call(bound, named, (tokens, positions, mask, slots, keys, values))
+
+
+class _Bound(torch.nn.Module):
+    def __init__(self, model: NativeLlama, aux_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.aux_layers = aux_layers
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> Any:  # fmt: skip
+        return self.model.body(tokens, positions, mask, slots, keys, values, self.aux_layers)
+
+
+class GraphStore:
+    """The packages of one key: ``bucket-<n>.pt2`` files, ``key.json`` and ``calibration.json``."""
+
+    def __init__(self, key: GraphKey, root: Path | None = None) -> None:
+        self.key = key
+        self.directory = (root or causaldraft_home() / "compiled") / key.digest()
+        self.builds = 0  # packages built by this process (tests check that nothing is rebuilt)
+
+    def package(self, bucket: int) -> Path:
+        return self.directory / f"bucket-{bucket}.pt2"
+
+    def load(self, bucket: int) -> Runner | None:
+        path = self.package(bucket)
+        if not path.is_file():
+            return None
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception as error:  # a truncated or foreign file raises several types
+            print(f"causaldraft: compiled graph {path} is unreadable ({error}); rebuilding it", file=sys.stderr)
+            path.unlink(missing_ok=True)
+            return None
+
+    def build(self, model: NativeLlama, bucket: int) -> Runner:
+        """Export the body at ``bucket`` rows (the attention span and cache capacity dynamic) and
+        package it; the file appears atomically."""
+        from torch.export import Dim
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "key.json").write_text(json.dumps(asdict(self.key), indent=1))
+        shape = model.llama_shape
+        cache = KVCache(shape.num_layers, shape.kv_heads, shape.head_dim, 64, model.dtype, capacity=64 + bucket)
+        length = 3
+        mask = torch.ones(bucket, length + bucket, dtype=torch.bool).tril(length)
+        args = (torch.zeros(bucket, dtype=torch.long), torch.arange(length, length + bucket), mask,
+                torch.arange(length, length + bucket), cache.keys, cache.values)  # fmt: skip
+        weights = weights_of(model)
+        capacity, span = Dim("capacity", min=2, max=2 * MAX_SPAN), Dim("span", min=2, max=MAX_SPAN)
+        dynamic = ({name: None for name in weights}, None, None, {1: span}, None,
+                   [{1: capacity}] * len(cache.keys), [{1: capacity}] * len(cache.values))  # fmt: skip
+        with torch.no_grad():
+            exported = torch.export.export(
+                _Body(model, self.key.aux_layers), (weights, *args), dynamic_shapes=dynamic, strict=False
+            )
+        with tempfile.TemporaryDirectory(dir=self.directory) as work:
+            scratch = Path(work) / f"bucket-{bucket}.pt2"
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(scratch), inductor_configs={"freezing": False}
+            )
+            scratch.replace(self.package(bucket))
+        self.builds += 1
+        runner = self.load(bucket)
+        if runner is None:
+            raise CausalDraftError(f"the compiled graph just built at {self.package(bucket)} does not load")
+        return runner
+
+    def load_or_build(self, model: NativeLlama, buckets: tuple[int, ...], progress: bool = True) -> dict[int, Runner]:
+        runners: dict[int, Runner] = {}
+        for bucket in buckets:
+            runner = self.load(bucket)
+            if runner is not None:
+                runners[bucket] = runner
+        missing = [bucket for bucket in buckets if bucket not in runners]
+        if missing:
+            seconds = len(missing) * SECONDS_PER_BUCKET * max(0.3, model.llama_shape.num_layers / 30)
+            estimate = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+            print(f"causaldraft: compiling {len(missing)} graphs for this model, dtype and CPU, once "
+                  f"(about {estimate}; later starts load them from {self.directory})", file=sys.stderr)  # fmt: skip
+            bar = tqdm(missing, desc="compile", unit="graph", disable=not progress)
+            for bucket in bar:
+                bar.set_postfix(rows=bucket)
+                runners[bucket] = self.build(model, bucket)
+        return runners
+
+    def read_calibration(self, name: str) -> dict[int, float] | None:
+        path = self.directory / "calibration.json"
+        try:
+            saved = json.loads(path.read_text())[name]
+            return {int(size): float(seconds) for size, seconds in saved.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def write_calibration(self, name: str, seconds: dict[int, float]) -> None:
+        path = self.directory / "calibration.json"
+        try:
+            saved = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            saved = {}
+        saved[name] = {str(size): value for size, value in seconds.items()}
+        scratch = path.with_suffix(f".{time.time_ns()}.tmp")
+        scratch.write_text(json.dumps(saved, indent=1))
+        scratch.replace(path)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)

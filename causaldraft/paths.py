@@ -1,0 +1,13 @@
+"""Where causaldraft keeps what it writes: one root, ``$CAUSALDRAFT_HOME`` (default
+``~/.cache/causaldraft``), with ``models/`` (converted checkpoints), ``quant/`` (packed weights of
+read-only checkpoints), ``compiled/`` (graph packages and their verify-cost calibration) and
+``train/`` (work caches of training runs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def causaldraft_home() -> Path:
+    return Path(os.environ.get("CAUSALDRAFT_HOME", Path.home() / ".cache" / "causaldraft"))

@@ -1,0 +1,114 @@
+"""Compiled graphs on disk: built once, loaded by later processes, never used for another key,
+rebuilt when unreadable; the verify-cost calibration kept beside them; ``--dtype auto``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import causaldraft
+from causaldraft.api import verify_cost
+from causaldraft.cli import build_parser, compile_wanted
+from causaldraft.models.compiled import GraphKey, GraphStore
+from causaldraft.models.loading import load_model, resolve_dtype
+from causaldraft.models.native import NativeLlama, default_aux_layers
+
+
+def native(directory: Path, dtype: str = "float32") -> NativeLlama:
+    backend = load_model(str(directory), "native", dtype).backend
+    assert isinstance(backend, NativeLlama)
+    return backend
+
+
+def key_of(backend: NativeLlama) -> GraphKey:
+    return GraphKey.of(backend, default_aux_layers(backend.llama_shape.num_layers))
+
+
+def test_the_graph_key_separates_models_dtypes_torch_versions_and_code(
+    tiny_llama_dir: Path, tiny_qwen_dir: Path, tmp_path: Path
+) -> None:
+    fp32, bf16, qwen = native(tiny_llama_dir), native(tiny_llama_dir, "bfloat16"), native(tiny_qwen_dir)
+    key = key_of(fp32)
+    assert key == key_of(native(tiny_llama_dir))  # the same model in another process: same key
+    others = [key_of(bf16), key_of(qwen), replace(key, torch_version="2.12.0"), replace(key, code="0" * 16),
+              replace(key, cpu="other"), replace(key, aux_layers=(0,))]  # fmt: skip
+    directories = {GraphStore(other, tmp_path).directory for other in others}
+    assert GraphStore(key, tmp_path).directory not in directories and len(directories) == len(others)
+
+
+@pytest.mark.slow
+def test_graphs_are_built_once_and_loaded_by_the_next_process(tiny_llama_dir: Path, graph_root: Path) -> None:
+    plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
+    expected = plain.generate("abcabc abcabc abc", max_new_tokens=24).token_ids
+    first = native(tiny_llama_dir)
+    first.compile(buckets=(1, 4, 32), store=GraphStore(key_of(first), graph_root))
+    second = native(tiny_llama_dir)  # as a later process would: a fresh model, the same key
+    store = GraphStore(key_of(second), graph_root)
+    second.compile(buckets=(1, 4, 32), store=store)
+    assert store.builds == 0 and second.compiled
+    loaded = causaldraft.models.loading.LoadedModel(second, plain.tokenizer, tiny_llama_dir, "x", "float32")
+    spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
+    assert spec.generate("abcabc abcabc abc", max_new_tokens=24).token_ids == expected
+
+
+@pytest.mark.slow
+def test_an_unreadable_package_is_rebuilt_with_a_message(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backend = native(tiny_llama_dir)
+    store = GraphStore(key_of(backend), tmp_path)
+    store.package(1).parent.mkdir(parents=True)
+    store.package(1).write_bytes(b"not a package")
+    backend.compile(buckets=(1,), store=store)
+    assert "unreadable" in capsys.readouterr().err and store.builds == 1
+    cache = backend.new_cache(8)
+    out = backend.forward(torch.tensor([5]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool), cache)
+    eager = native(tiny_llama_dir)
+    reference = eager.forward(torch.tensor([5]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
+                              eager.new_cache(8))  # fmt: skip
+    assert (out.logits - reference.logits).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_the_verify_cost_is_measured_once_per_set_of_graphs(tiny_llama_dir: Path, graph_root: Path) -> None:
+    backend = native(tiny_llama_dir)
+    backend.compile(buckets=(1, 4, 32), store=GraphStore(key_of(backend), graph_root))
+    measured = verify_cost(backend, 8, (), remeasure=True)
+    assert backend.graph_store is not None
+    path = backend.graph_store.directory / "calibration.json"
+    saved = json.loads(path.read_text())
+    name = "max_nodes=8 aux_layers=[]"
+    assert {int(k): v for k, v in saved[name].items()} == measured.seconds
+    saved[name] = {"1": 0.5, "4": 0.75}
+    path.write_text(json.dumps(saved))
+    assert verify_cost(backend, 8, ()).seconds == {1: 0.5, 4: 0.75}  # read, not timed again
+    assert verify_cost(backend, 8, (), remeasure=True).seconds[1] < 0.5
+
+
+def test_auto_dtype_is_int4_only_for_a_model_converted_from_a_4bit_gguf(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    assert resolve_dtype(tiny_llama_dir, "auto") == "bfloat16"
+    assert resolve_dtype(tiny_llama_dir, "float32") == "float32"
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    for four_bit, expected in ((True, "int4"), (False, "bfloat16")):
+        (converted / "causaldraft_source.json").write_text(json.dumps({"gguf": str(gguf), "four_bit": four_bit}))
+        assert resolve_dtype(converted, "auto") == expected
+        assert resolve_dtype(converted, "auto", backend="hf") == "bfloat16"
+    (converted / "causaldraft_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    assert resolve_dtype(converted, "auto") == "bfloat16"  # not a readable GGUF: not 4-bit
+    assert json.loads((converted / "causaldraft_source.json").read_text())["four_bit"] is False  # recorded
+
+
+def test_compiled_is_the_default_and_no_compile_turns_it_off() -> None:
+    parser = build_parser()
+    assert compile_wanted(parser.parse_args(["generate", "--prompt", "x"]))
+    assert compile_wanted(parser.parse_args(["generate", "--prompt", "x", "--compile"]))
+    assert not compile_wanted(parser.parse_args(["generate", "--prompt", "x", "--no-compile"]))
+    assert not compile_wanted(parser.parse_args(["generate", "--prompt", "x", "--backend", "hf"]))
+    assert parser.parse_args(["generate", "--prompt", "x"]).dtype == "auto"

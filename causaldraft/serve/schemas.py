@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_PROMPT_CHARS = 1_000_000
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a whole request body; larger ones are refused before parsing (413)
 MAX_STOPS = 4
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -35,7 +36,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated, accepted
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
 
     def text(self) -> str:

@@ -1,6 +1,8 @@
 """The single engine worker: one thread takes jobs from a bounded FIFO queue and runs them.
 
-The engine is not thread-safe, so only this thread touches it. A job reports events through a
+The engine is not thread-safe, so only this thread touches it. Prompts are tokenized and checked
+against the context before a job is queued (``prepare``, on another thread), so a huge or invalid
+request never stalls the engine. A job reports events through a
 thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``Piece`` (text delta), then exactly
 one of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client went away)
 stops at the next decoding step, or is skipped if it has not started yet.
@@ -45,6 +47,15 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class PreparedRequest:
+    """A request tokenized and checked against the context: what the engine thread runs."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class Started:
     prompt_tokens: int
     max_tokens: int
@@ -75,7 +86,7 @@ Event = Started | Piece | Finished | Failed
 
 @dataclass
 class Job:
-    request: GenerationRequest
+    request: PreparedRequest
     deliver: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -89,7 +100,10 @@ class Worker:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        # admitted jobs: the one running plus at most max_queue waiting (a job counts from submit,
+        # so a burst that arrives before the worker picks its first job is counted right)
+        self.admitted = threading.BoundedSemaphore(max_queue + 1)
         self.running = threading.Event()  # a job is being served
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop, name="causaldraft-engine", daemon=True)
@@ -115,44 +129,13 @@ class Worker:
             self.thread.join(timeout)
 
     def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full as error:
-            raise QueueFull(f"the server is busy: {self.max_queue} requests are already waiting") from error
+        if not self.admitted.acquire(blocking=False):
+            raise QueueFull(f"the server is busy: {self.max_queue} requests are already waiting")
+        self.jobs.put_nowait(job)
 
-    def loop(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                job = self.jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            self.running.set()
-            try:
-                self.serve(job)
-            finally:
-                self.running.clear()
-
-    def serve(self, job: Job) -> None:
-        """Run one job; every failure becomes a ``Failed`` event, never a dead worker."""
-        if job.cancelled.is_set():
-            self.metrics.record_outcome("cancelled")
-            return
-        try:
-            outcome = self.generate(job)
-        except CausalDraftError as error:
-            outcome = "rejected"
-            param = param_of(str(error))
-            if param == "prompt" and job.request.messages is not None:
-                param = "messages"
-            self.deliver(job, Failed(400, str(error), param))
-        except Exception as error:  # the worker must survive any fault of one request
-            log.exception("generation failed")
-            outcome = "failed"
-            self.deliver(job, Failed(500, f"internal error: {type(error).__name__}: {error}"))
-        self.metrics.record_outcome(outcome)
-
-    def generate(self, job: Job) -> str:
-        request = job.request
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Tokenize and check the prompt and max_tokens against the context (any thread; the
+        tokenizer is only read). Raises CausalDraftError for a user error."""
         engine = self.engine
         if request.messages is not None:
             prompt_ids = engine.encode_chat(request.messages)
@@ -172,6 +155,40 @@ class Worker:
                 f"max_tokens {max_tokens} + prompt of {len(prompt_ids)} tokens exceeds the model's context "
                 f"of {self.context_length} tokens"
             )
+        return PreparedRequest(request, prompt_ids, max_tokens)
+
+    def loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.running.set()
+            try:
+                self.serve(job)
+            finally:
+                self.running.clear()
+                self.admitted.release()
+
+    def serve(self, job: Job) -> None:
+        """Run one job; every failure becomes a ``Failed`` event, never a dead worker."""
+        if job.cancelled.is_set():
+            self.metrics.record_outcome("cancelled")
+            return
+        try:
+            outcome = self.generate(job)
+        except CausalDraftError as error:
+            outcome = "rejected"
+            self.deliver(job, Failed(400, str(error), param_of(str(error), job.request.request)))
+        except Exception as error:  # the worker must survive any fault of one request
+            log.exception("generation failed")
+            outcome = "failed"
+            self.deliver(job, Failed(500, f"internal error: {type(error).__name__}: {error}"))
+        self.metrics.record_outcome(outcome)
+
+    def generate(self, job: Job) -> str:
+        request, prompt_ids, max_tokens = job.request.request, job.request.prompt_ids, job.request.max_tokens
+        engine = self.engine
         self.deliver(job, Started(len(prompt_ids), max_tokens))
         started = time.perf_counter()
         previous_stats = engine.last_stats
@@ -203,8 +220,13 @@ class Worker:
             job.cancelled.set()
 
 
-def param_of(message: str) -> str | None:
+def param_of(message: str, request: GenerationRequest) -> str | None:
     """The request field a user error is about, for the OpenAI error body."""
+    param = message_param(message)
+    return "messages" if param == "prompt" and request.messages is not None else param
+
+
+def message_param(message: str) -> str | None:
     for name, param in (("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"), ("prompt", "prompt"),
                         ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
                         ("token ids", "prompt"), ("chat template", "messages")):  # fmt: skip

@@ -23,8 +23,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from causaldraft.cli import add_drafter_flags, add_model_flags, engine_options
 from causaldraft.errors import CausalDraftError
+from causaldraft.flags import add_drafter_flags, add_model_flags, engine_options
 from causaldraft.serve.cli import SERVE_DEFAULT_DRAFTER
 from causaldraft.serve.metrics import parse_metrics
 

@@ -74,7 +74,7 @@ def measure_verify_cost(
     cache = backend.new_cache(context + max(CALIBRATION_SIZES) + 1)
     prefix = torch.zeros(context, dtype=torch.long)
     backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
-    buckets = tuple(getattr(backend, "buckets", ()))
+    buckets = backend.buckets
     cost = VerifyCost(buckets=buckets)
     sizes = sorted({cost.padded(size) for size in CALIBRATION_SIZES if size <= max(max_nodes, 1)})
     for size in sizes:

@@ -183,7 +183,7 @@ class TextTracker:
 def compile_backend(target: LoadedModel, progress: bool = True) -> bool:
     """Run the target's passes through compiled graphs (built once, then loaded from disk).
     Returns False, after one line saying why, where no compiler is available."""
-    from causaldraft.models.compiled import compiler_available
+    from causaldraft.models.compiled import compile_model, compiler_available
 
     backend = target.backend
     if not isinstance(backend, NativeLlama):
@@ -194,20 +194,19 @@ def compile_backend(target: LoadedModel, progress: bool = True) -> bool:
     if reason is not None:
         print(f"causaldraft: running eagerly: {reason}", file=sys.stderr)
         return False
-    backend.compile(progress=progress)
+    compile_model(backend, progress=progress)
     return True
 
 
 def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], remeasure: bool = False) -> VerifyCost:
     """The measured cost of verify passes. With compiled graphs it is measured once and kept
     beside them (``remeasure`` times it again); the decode loop refines it from every step."""
-    compiled = isinstance(backend, NativeLlama) and backend.compiled
-    store = backend.graph_store if isinstance(backend, NativeLlama) and compiled else None
+    store = backend.calibration
     name = f"max_nodes={max_nodes} aux_layers={list(aux_layers)}"
     if store is not None and not remeasure:
         seconds = store.read_calibration(name)
         if seconds:
-            return VerifyCost(seconds, buckets=backend.buckets if isinstance(backend, NativeLlama) else ())
+            return VerifyCost(seconds, buckets=backend.buckets)
     cost = measure_verify_cost(backend, max_nodes, aux_layers=aux_layers)
     if store is not None:
         store.write_calibration(name, cost.seconds)

@@ -7,78 +7,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from causaldraft.config import ACCEPTANCE_RULES, BACKENDS, DTYPES, SAMPLERS, TREE_KINDS, DecodeConfig, TreeConfig
+from causaldraft.config import DTYPES, TreeConfig
 from causaldraft.errors import CausalDraftError
-
-
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="default, a local HF checkpoint directory or a .gguf file")
-    parser.add_argument("--backend", choices=BACKENDS, default="native")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="auto (default): int4 for a model from a 4-bit GGUF file, as the default model is; "
-                        "bfloat16 otherwise")  # fmt: skip
-    parser.add_argument("--compile", dest="compile", action="store_true", default=None,
-                        help="compiled forward graphs, built once and kept on disk (the default)")  # fmt: skip
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the forward eagerly")
-
-
-def compile_wanted(args: argparse.Namespace) -> bool:
-    """Compiled unless --no-compile (or the hf backend, which has no compiled path)."""
-    return bool(args.compile) if args.compile is not None else args.backend == "native"
-
-
-def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
-    parser.add_argument("--drafter", default=default_drafter, help="none, lookup, draft, medusa, markov, eagle3")
-    parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind)
-    add_draft_options(parser)
-
-
-def add_draft_options(parser: argparse.ArgumentParser) -> None:
-    """Tree, acceptance and drafter options shared by every command that builds engines."""
-    tree = TreeConfig()
-    parser.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
-    parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
-    parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
-    parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
-    parser.add_argument("--sampler", choices=SAMPLERS, default=DecodeConfig().sampler,
-                        help="lossless sampling: gumbel (output depends on the seed alone) or rejection")  # fmt: skip
-    parser.add_argument("--draft-model", default=None, help="local draft model path (same vocabulary)")
-    parser.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
-    parser.add_argument("--heads", default=None, help="trained drafter directory (markov/medusa/eagle3)")
-    parser.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
-    parser.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
-    parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "model": args.model,
-        "backend": args.backend,
-        "dtype": args.dtype,
-        "compile": compile_wanted(args),
-        "drafter": args.drafter,
-        "tree": args.tree,
-        "depth": args.depth,
-        "width": args.width,
-        "max_nodes": args.max_nodes,
-        "acceptance": args.acceptance,
-        "sampler": args.sampler,
-        "draft_model": args.draft_model,
-        "draft_layers": args.draft_layers,
-        "heads": args.heads,
-        "lookup_merge": not args.no_lookup_merge,
-        "adapt": not args.no_adapt,
-        "fallback": not args.no_fallback,
-    }
-
-
-def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_options
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -127,6 +58,7 @@ def run_compile(args: argparse.Namespace) -> int:
     """Build the compiled graphs ahead (``make setup`` runs this for the default model) and time
     verify passes for the default node budget, for drafters with and without target features."""
     from causaldraft.api import compile_backend, verify_cost
+    from causaldraft.models.compiled import GraphStore
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama, default_aux_layers
 
@@ -141,8 +73,9 @@ def run_compile(args: argparse.Namespace) -> int:
         cost = verify_cost(backend, max_nodes, aux_layers, remeasure=True)
         seconds[str(list(aux_layers))] = {size: round(value * 1000, 2) for size, value in sorted(cost.seconds.items())}
     store = backend.graph_store
+    directory = store.directory if isinstance(store, GraphStore) else ""
     print(json.dumps({"model": str(target.model_dir), "dtype": target.dtype, "buckets": list(backend.buckets),
-                      "graphs": str(store.directory if store else ""), "verify_ms": seconds}))  # fmt: skip
+                      "graphs": str(directory), "verify_ms": seconds}))  # fmt: skip
     return 0
 
 

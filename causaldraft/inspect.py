@@ -54,8 +54,8 @@ def save_mask_png(mask: torch.Tensor, tokens: list[str], path: Path) -> None:
 
 def show_tree(args: argparse.Namespace) -> None:
     from causaldraft.api import load
-    from causaldraft.cli import engine_options
     from causaldraft.config import SamplingConfig
+    from causaldraft.flags import engine_options
 
     engine = load(**engine_options(args))  # type: ignore[arg-type]
     prompt_ids = engine.encode(args.prompt, chat=args.chat)

@@ -151,7 +151,7 @@ def test_unknown_dtype_and_backend_are_clear_errors(tiny_llama_dir: Path) -> Non
 @pytest.mark.slow
 def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: Path, graph_root: Path) -> None:
     import causaldraft
-    from causaldraft.models.compiled import GraphKey, GraphStore
+    from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
     from causaldraft.models.native import default_aux_layers
 
     plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
@@ -160,7 +160,7 @@ def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: P
     backend = loaded.backend
     assert isinstance(backend, NativeLlama)
     store = GraphStore(GraphKey.of(backend, default_aux_layers(backend.llama_shape.num_layers)), graph_root)
-    backend.compile(buckets=(1, 4, 32), store=store)
+    compile_model(backend, buckets=(1, 4, 32), store=store)
     spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
     assert spec.generate("hello world hello world", max_new_tokens=20).token_ids == expected
     # another prompt length and cache size reuses the same graphs: only the attention span is dynamic

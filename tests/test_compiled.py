@@ -12,8 +12,9 @@ import torch
 
 import causaldraft
 from causaldraft.api import verify_cost
-from causaldraft.cli import build_parser, compile_wanted
-from causaldraft.models.compiled import GraphKey, GraphStore
+from causaldraft.cli import build_parser
+from causaldraft.flags import compile_wanted
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
 from causaldraft.models.loading import load_model, resolve_dtype
 from causaldraft.models.native import NativeLlama, default_aux_layers
 
@@ -45,10 +46,10 @@ def test_graphs_are_built_once_and_loaded_by_the_next_process(tiny_llama_dir: Pa
     plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
     expected = plain.generate("abcabc abcabc abc", max_new_tokens=24).token_ids
     first = native(tiny_llama_dir)
-    first.compile(buckets=(1, 4, 32), store=GraphStore(key_of(first), graph_root))
+    compile_model(first, buckets=(1, 4, 32), store=GraphStore(key_of(first), graph_root))
     second = native(tiny_llama_dir)  # as a later process would: a fresh model, the same key
     store = GraphStore(key_of(second), graph_root)
-    second.compile(buckets=(1, 4, 32), store=store)
+    compile_model(second, buckets=(1, 4, 32), store=store)
     assert store.builds == 0 and second.compiled
     loaded = causaldraft.models.loading.LoadedModel(second, plain.tokenizer, tiny_llama_dir, "x", "float32")
     spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
@@ -63,7 +64,7 @@ def test_an_unreadable_package_is_rebuilt_with_a_message(
     store = GraphStore(key_of(backend), tmp_path)
     store.package(1).parent.mkdir(parents=True)
     store.package(1).write_bytes(b"not a package")
-    backend.compile(buckets=(1,), store=store)
+    compile_model(backend, buckets=(1,), store=store)
     assert "unreadable" in capsys.readouterr().err and store.builds == 1
     cache = backend.new_cache(8)
     out = backend.forward(torch.tensor([5]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool), cache)
@@ -76,7 +77,7 @@ def test_an_unreadable_package_is_rebuilt_with_a_message(
 @pytest.mark.slow
 def test_the_verify_cost_is_measured_once_per_set_of_graphs(tiny_llama_dir: Path, graph_root: Path) -> None:
     backend = native(tiny_llama_dir)
-    backend.compile(buckets=(1, 4, 32), store=GraphStore(key_of(backend), graph_root))
+    compile_model(backend, buckets=(1, 4, 32), store=GraphStore(key_of(backend), graph_root))
     measured = verify_cost(backend, 8, (), remeasure=True)
     assert backend.graph_store is not None
     path = backend.graph_store.directory / "calibration.json"

@@ -224,14 +224,14 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(
 ) -> None:
     """Compiled graphs return the default feature layers always: plain decoding and eagle3 share
     one graph per bucket, and eagle3 output stays token-identical."""
-    from causaldraft.models.compiled import GraphKey, GraphStore
+    from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
 
     loaded = load_model(str(tiny_llama_dir), "native", "float32")
     expected = plain(loaded, PROMPTS[:2], 24)
     assert isinstance(loaded.backend, NativeLlama)
     aux_layers = default_aux_layers(loaded.backend.llama_shape.num_layers)
     store = GraphStore(GraphKey.of(loaded.backend, aux_layers), graph_root)
-    loaded.backend.compile(buckets=(1, 4, 32), store=store)
+    compile_model(loaded.backend, buckets=(1, 4, 32), store=store)
     plain_compiled = load(loaded=loaded, drafter="none", calibrate=False)
     assert plain_compiled.generate(PROMPTS[0], max_new_tokens=24).token_ids == expected[0]
     graphs = store.builds

@@ -20,15 +20,14 @@ from causaldraft.models.quant import (
     Int4Linear,
     Int4Weights,
     Int8Linear,
-    cache_path,
     dequantize_int4,
     dequantize_int8,
-    load_quantized,
     pack_nibbles,
     quantize_int4,
     quantize_int8,
     unpack_nibbles,
 )
+from causaldraft.models.quant_load import cache_path, load_quantized
 from tests.tiny import save_tiny_llama
 
 Q4_1 = GGMLQuantizationType.Q4_1

@@ -8,8 +8,8 @@ import sys
 
 from causaldraft.bench.harness import DEFAULT_BUDGETS, BenchConfig
 from causaldraft.bench.methods import EngineOptions, parse_methods
-from causaldraft.cli import add_draft_options, add_model_flags, compile_wanted
 from causaldraft.errors import CausalDraftError
+from causaldraft.flags import add_draft_options, add_model_flags, compile_wanted
 
 DEFAULT_OUT = "bench-out"
 

@@ -193,6 +193,6 @@ def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-un
     layer = load_layer(directory, fingerprint, shape.vocab_size, shape.hidden_size)
     if max(layer.config.aux_layers) > shape.num_layers:
         raise CausalDraftError(f"eagle3 aux layers {layer.config.aux_layers} exceed the target's {shape.num_layers}")
-    quantized = bool(getattr(target.backend, "quantized", False))
+    quantized = target.backend.quantized
     dtype = torch.bfloat16 if quantized else target.backend.dtype
     return Eagle3Drafter(layer.cast(dtype), target.backend, options.lookup_merge, int8=quantized)

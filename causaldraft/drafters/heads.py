@@ -300,5 +300,5 @@ def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ign
                 "or use --drafter lookup"
             )
     heads = load_heads(directory, target.backend, kind)
-    quantized = bool(getattr(target.backend, "quantized", False))  # int8/int4 target: int8 drafting too
+    quantized = target.backend.quantized  # int8/int4 target: int8 drafting too
     return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge, int8=quantized)

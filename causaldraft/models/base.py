@@ -38,12 +38,30 @@ class Cache(Protocol):
     def check_room(self, new_tokens: int) -> None: ...
 
 
+class CalibrationStore(Protocol):
+    """Where measured verify costs are kept between processes (beside compiled graphs)."""
+
+    def read_calibration(self, name: str) -> dict[int, float] | None: ...
+
+    def write_calibration(self, name: str, seconds: dict[int, float]) -> None: ...
+
+
 class Backend(Protocol):
+    """A target model. What it can do is declared, not probed: ``buckets`` (row counts its
+    compiled passes are padded to; empty when it runs eagerly), ``quantized`` (int8/int4 weights)
+    and ``calibration`` (a store for measured verify costs, when it has compiled graphs)."""
+
+    buckets: tuple[int, ...]
+    quantized: bool
+
     @property
     def shape(self) -> ModelShape: ...
 
     @property
     def dtype(self) -> torch.dtype: ...
+
+    @property
+    def calibration(self) -> CalibrationStore | None: ...
 
     def new_cache(self, max_len: int) -> Cache: ...
 

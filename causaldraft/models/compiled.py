@@ -26,17 +26,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
+from causaldraft.models import native, quant
+from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
-
-if TYPE_CHECKING:
-    from causaldraft.models.native import NativeLlama
 
 COMPILED_FORMAT = 1
 SECONDS_PER_BUCKET = 75.0  # first-build estimate per bucket for the default model on 2 cores
@@ -64,8 +63,6 @@ def architecture_digest(model: NativeLlama) -> str:
 
 def code_digest() -> str:
     """The source of the modules whose code the graph is traced from."""
-    from causaldraft.models import native, quant
-
     digest = hashlib.sha256()
     for module in (native, quant, sys.modules[__name__]):
         digest.update(inspect.getsource(module).encode())
@@ -106,6 +103,31 @@ class GraphKey:
 
 def _has_int4(model: NativeLlama) -> bool:
     return any(name.endswith(".packed") for name, _ in model.named_buffers())
+
+
+def compile_model(
+    model: NativeLlama, buckets: tuple[int, ...] | None = None, store: GraphStore | None = None,
+    progress: bool = True,
+) -> None:  # fmt: skip
+    """Run ``model``'s passes of up to max(buckets) new tokens through compiled graphs, built on
+    first use for this model, dtype and CPU (about a minute per bucket on 2 cores) and loaded from
+    disk by later processes in about a second.
+
+    New-token counts are padded up to ``buckets`` (default ``COMPILE_BUCKETS``,
+    ``QUANTIZED_BUCKETS`` for int8/int4 weights); larger passes (a long prefill) run eagerly. The
+    attention span is dynamic, so one graph per bucket serves every cache length. Graphs always
+    return the inputs of ``default_aux_layers``, so plain decoding and feature drafters share them.
+    Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, these graphs 9 ms."""
+    if buckets is None:
+        buckets = QUANTIZED_BUCKETS if model.quantized else COMPILE_BUCKETS
+    buckets = tuple(sorted(buckets))
+    aux_layers = default_aux_layers(model.llama_shape.num_layers)
+    store = store or GraphStore(GraphKey.of(model, aux_layers))
+    model.graphs = store.load_or_build(model, buckets, progress)
+    model.graph_store = store
+    model.graph_weights = weights_of(model)
+    model.buckets = buckets
+    model.graph_aux_layers = aux_layers
 
 
 def compiler_available() -> str | None:

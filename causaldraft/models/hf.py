@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import Cache, ForwardOutput, ModelShape
+from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
 
 
 class HFCache:
@@ -73,6 +73,12 @@ class HFBackend:
             ),
         )
         self.dtype = next(model.parameters()).dtype
+        self.buckets: tuple[int, ...] = ()  # eager only
+        self.quantized = False
+
+    @property
+    def calibration(self) -> CalibrationStore | None:
+        return None
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype) -> HFBackend:

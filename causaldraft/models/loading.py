@@ -133,7 +133,7 @@ def converted_from_4bit(model_dir: Path) -> bool:
     """Whether the checkpoint was converted from a GGUF file stored mostly in 4-bit formats. Read
     once from the file (seconds: gguf parses every tensor's header) and recorded beside it."""
     from causaldraft.models.gguf_q4 import is_4bit_gguf
-    from causaldraft.models.quant import gguf_source
+    from causaldraft.models.quant_load import gguf_source
 
     source_file = model_dir / "causaldraft_source.json"
     gguf = gguf_source(model_dir)
@@ -158,7 +158,7 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
     loaded: Backend
     if backend == "native":
         if dtype in ("int8", "int4"):
-            from causaldraft.models.quant import load_quantized
+            from causaldraft.models.quant_load import load_quantized
 
             loaded = load_quantized(model_dir, dtype)
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import Cache, ForwardOutput, ModelShape
-
-if TYPE_CHECKING:
-    from causaldraft.models.compiled import GraphStore
+from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 COMPILE_BUCKETS = (1, 4, 8, 16, 32)
@@ -234,8 +231,9 @@ class NativeLlama(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
-        self.graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}  # by bucket
-        self.graph_store: GraphStore | None = None
+        # set by compiled.compile_model: one compiled pass per bucket of new-token rows
+        self.graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self.graph_store: CalibrationStore | None = None
         self.graph_weights: dict[str, torch.Tensor] = {}
         self.buckets: tuple[int, ...] = ()
         # compiled graphs always return these layers' inputs (one graph per bucket serves plain
@@ -325,32 +323,14 @@ class NativeLlama(nn.Module):
             aux.append(x)
         return self.norm(x), (torch.cat(aux, dim=-1) if aux else None)
 
-    def compile(self, buckets: tuple[int, ...] | None = None, store: GraphStore | None = None,
-                progress: bool = True) -> None:  # fmt: skip
-        """Run passes of up to max(buckets) new tokens through compiled graphs: AOTInductor packages
-        kept on disk (models/compiled.py), built on first use for this model, dtype and CPU (about a
-        minute per bucket on 2 cores) and loaded in about a second by later processes.
-
-        New-token counts are padded up to ``buckets`` (default ``COMPILE_BUCKETS``,
-        ``QUANTIZED_BUCKETS`` for int8/int4 weights); larger passes (a long prefill) run eagerly.
-        The attention span is dynamic, so one graph per bucket serves every cache length. Graphs
-        always return the inputs of ``default_aux_layers``, so plain decoding and feature drafters
-        share them. Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, this 9 ms."""
-        from causaldraft.models.compiled import GraphKey, GraphStore, weights_of
-
-        if buckets is None:
-            buckets = QUANTIZED_BUCKETS if self.quantized else COMPILE_BUCKETS
-        aux_layers = default_aux_layers(self.llama_shape.num_layers)
-        store = store or GraphStore(GraphKey.of(self, aux_layers))
-        self.graphs = store.load_or_build(self, tuple(sorted(buckets)), progress)
-        self.graph_store = store
-        self.graph_weights = weights_of(self)
-        self.buckets = tuple(sorted(buckets))
-        self.graph_aux_layers = aux_layers
-
     @property
     def compiled(self) -> bool:
+        """Passes of up to max(buckets) rows run compiled graphs (``compiled.compile_model``)."""
         return bool(self.graphs)
+
+    @property
+    def calibration(self) -> CalibrationStore | None:
+        return self.graph_store
 
     def new_cache(self, max_len: int) -> KVCache:
         s = self.llama_shape

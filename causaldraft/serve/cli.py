@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from causaldraft.cli import add_drafter_flags, add_model_flags, engine_options
+from causaldraft.flags import add_drafter_flags, add_model_flags, engine_options
 from causaldraft.serve.app import DEFAULT_MAX_QUEUE
 
 SERVE_DEFAULT_DRAFTER = "lookup"  # switch to "markov" once trained heads ship with the default model

@@ -1,0 +1,143 @@
+"""Loading a quantized native model, with a cache of its quantized weights.
+
+Quantized weights are cached in an architecture-independent form (int4 values two per byte,
+fp32 scales and zeros) as ``quant-int8.safetensors`` / ``quant-int4.safetensors`` beside the
+checkpoint, or under ``$CAUSALDRAFT_HOME/quant/`` when the checkpoint directory is read-only; the
+kernel's own packing (which depends on the CPU) is redone at every load, which is fast. For int4,
+layers stored as Q4_1 in the GGUF file a checkpoint was converted from are taken from it as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.gguf_q4 import read_q4_1_weights
+from causaldraft.models.native import NativeLlama
+from causaldraft.models.quant import (
+    ACTIVATION_DTYPE,
+    CACHE_FORMAT,
+    GROUP_SIZE,
+    QUANT_DTYPES,
+    Int4Weights,
+    Int8Weights,
+    QuantWeights,
+    checkpoint_linear_names,
+    install_quantized,
+    linear_names,
+    notify,
+    pack_nibbles,
+    quantize_model_weights,
+    unpack_nibbles,
+)
+from causaldraft.paths import causaldraft_home
+
+# ---------------------------------------------------------------- cache
+
+
+def source_key(model_dir: Path, dtype: str, gguf_path: Path | None) -> str:
+    """Invalidates the cache when the weights, the GGUF source or the format change."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{dtype}:{GROUP_SIZE}".encode())
+    sources = sorted(model_dir.glob("*.safetensors"))
+    sources = [path for path in sources if not path.name.startswith("quant-")]
+    if gguf_path is not None:
+        sources.append(gguf_path)
+    for path in sources:
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_path(model_dir: Path, dtype: str) -> Path:
+    beside = model_dir / f"quant-{dtype}.safetensors"
+    if os.access(model_dir, os.W_OK):
+        return beside
+    key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]
+    return causaldraft_home() / "quant" / f"{model_dir.name}-{key}" / beside.name
+
+
+def save_cache(path: Path, weights: dict[str, QuantWeights], key: str) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, quantized in weights.items():
+        if isinstance(quantized, Int4Weights):
+            tensors[f"{name}.nibbles"] = pack_nibbles(quantized.values).contiguous()
+            tensors[f"{name}.scales"] = quantized.scales.float().contiguous()
+            tensors[f"{name}.zeros"] = quantized.zeros.float().contiguous()
+        else:
+            tensors[f"{name}.int8"] = quantized.values.contiguous()
+            tensors[f"{name}.scales"] = quantized.scales.float().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(partial), metadata={"format": CACHE_FORMAT, "key": key})
+    partial.replace(path)
+
+
+def load_cache(path: Path, key: str) -> dict[str, QuantWeights] | None:
+    """The cached weights, or None when absent, stale or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != CACHE_FORMAT or metadata.get("key") != key:
+                return None
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception:  # safetensors raises several types for corrupt files; we rebuild
+        return None
+    weights: dict[str, QuantWeights] = {}
+    for tensor_name, tensor in tensors.items():
+        name, _, kind = tensor_name.rpartition(".")
+        if kind == "nibbles":
+            weights[name] = Int4Weights(unpack_nibbles(tensor), tensors[f"{name}.scales"], tensors[f"{name}.zeros"])
+        elif kind == "int8":
+            weights[name] = Int8Weights(tensor, tensors[f"{name}.scales"])
+    return weights
+
+
+# ---------------------------------------------------------------- loading
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted checkpoint came from (causaldraft_source.json), if it still exists."""
+    source = model_dir / "causaldraft_source.json"
+    if not source.is_file():
+        return None
+    path = Path(json.loads(source.read_text()).get("gguf", ""))
+    return path if path.is_file() else None
+
+
+def load_quantized(model_dir: Path, dtype: str) -> NativeLlama:
+    """A NativeLlama in bfloat16 whose linears are int8 or int4 (cached beside the checkpoint).
+
+    For int4, layers stored as Q4_1 in the GGUF file the checkpoint was converted from are taken
+    from the GGUF blocks as they are; other layers are quantized from the checkpoint's weights.
+    """
+    if dtype not in QUANT_DTYPES:
+        raise CausalDraftError(f"quantized dtype must be int8 or int4, got {dtype!r}")
+    gguf_path = gguf_source(model_dir) if dtype == "int4" else None
+    key = source_key(model_dir, dtype, gguf_path)
+    path = cache_path(model_dir, dtype)
+    weights = load_cache(path, key)
+    if weights is None:
+        full = NativeLlama.from_pretrained(model_dir, torch.float32)
+        provided: dict[str, Int4Weights] = {}
+        if gguf_path is not None:
+            provided = read_q4_1_weights(gguf_path, full.llama_shape, checkpoint_linear_names(full))
+        weights = quantize_model_weights(full, dtype, provided)
+        del full
+        try:
+            save_cache(path, weights, key)
+        except OSError as error:
+            notify(f"cannot cache quantized weights at {path}: {error}")
+    model = NativeLlama.from_pretrained(model_dir, ACTIVATION_DTYPE)
+    missing = set(linear_names(model)) - set(weights)
+    if missing:
+        raise CausalDraftError(f"quantized cache {path} lacks {sorted(missing)[:3]}")
+    return install_quantized(model, weights)

@@ -6,7 +6,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from causaldraft.adapt import AdaptState, VerifyCost, initial_adapt_state, measure_verify_cost
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig, validate_max_new_tokens
@@ -33,14 +33,22 @@ class StreamPiece:
     token_ids: list[int]
 
 
+@dataclass(frozen=True)
+class Completion:
+    """The last item of ``Engine.events``: the request's own stats (tokens up to a stop string
+    counted, the rest not) and why it ended. Absent when the consumer stops early."""
+
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    prompt_tokens: int
+
+
 @dataclass
 class Engine:
     model: LoadedModel
     decoder: Decoder
     drafter_name: str
     adapt: AdaptState
-    last_stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str = "stop"
 
     @property
     def compiled(self) -> bool:
@@ -68,7 +76,7 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def pieces(
+    def events(
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
@@ -78,8 +86,9 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         chat: bool = False,
-    ) -> Iterator[StreamPiece]:
-        """The streaming core: yields text deltas with their tokens; sets ``last_stats``."""
+    ) -> Iterator[StreamPiece | Completion]:
+        """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
+        the request is left on the engine (its adaptation state carries over, by design)."""
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
@@ -90,8 +99,8 @@ class Engine:
         gumbel = not sampling.greedy and self.decoder.decode.sampler == "gumbel"
         if gumbel and self.decoder.decode.acceptance == "lossless":
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
-        self.last_stats = state.stats
         text = TextTracker(self.tokenizer, stops)
+        kept_tokens = 0
         # Greedy and Gumbel-sampled output does not depend on the tree, so those requests use the
         # engine's measured cost model. A seeded request under rejection sampling adapts from a
         # fresh state without timing-based decisions, so the same seed gives the same tokens (tree
@@ -100,31 +109,33 @@ class Engine:
         adapt = initial_adapt_state(self.decoder.tree, timed=False) if seeded else self.adapt
         for emitted in decode_steps(self.decoder, state, adapt, sampling, max_new_tokens):
             kept, delta = text.add(emitted)
-            state.stats.wall_s = time.perf_counter() - started
-            if kept < len(emitted):
-                state.stats.new_tokens -= len(emitted) - kept
-                state.finished, state.finish_reason = True, "stop"
+            kept_tokens += kept
             if kept or delta:
                 yield StreamPiece(delta, emitted[:kept])
             if text.stopped:
                 break
         tail = text.flush()
-        state.stats.wall_s = time.perf_counter() - started
         if tail:
             yield StreamPiece(tail, [])
-        self.finish_reason = state.finish_reason or "stop"
+        # a stop string ends the output there: the tokens after it are not this request's output
+        reason = "stop" if text.stopped else (state.finish_reason or "stop")
+        stats = replace(state.stats, new_tokens=kept_tokens, wall_s=time.perf_counter() - started)
+        yield Completion(stats, reason, len(prompt_ids))
 
     def stream(self, prompt: str | Sequence[int], **options: object) -> Iterator[str]:
-        for piece in self.pieces(prompt, **options):  # type: ignore[arg-type]
-            if piece.text:
-                yield piece.text
+        for item in self.events(prompt, **options):  # type: ignore[arg-type]
+            if isinstance(item, StreamPiece) and item.text:
+                yield item.text
 
     def generate(self, prompt: str | Sequence[int], **options: object) -> Generation:
-        texts, ids = [], []
-        for piece in self.pieces(prompt, **options):  # type: ignore[arg-type]
-            texts.append(piece.text)
-            ids.extend(piece.token_ids)
-        return Generation("".join(texts), ids, self.last_stats, self.finish_reason)
+        texts: list[str] = []
+        ids: list[int] = []
+        for item in self.events(prompt, **options):  # type: ignore[arg-type]
+            if isinstance(item, Completion):
+                return Generation("".join(texts), ids, item.stats, item.finish_reason)
+            texts.append(item.text)
+            ids.extend(item.token_ids)
+        raise AssertionError("events() ends with a Completion")
 
 
 class TextTracker:

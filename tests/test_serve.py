@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from causaldraft.api import Engine, StreamPiece, load
+from causaldraft.api import Completion, Engine, StreamPiece, load
 from causaldraft.cli import build_parser
 from causaldraft.decode import GenerationStats
 from causaldraft.serve.app import create_app
@@ -403,19 +403,17 @@ class FaultyEngine:
     """Fails its first generation with an unexpected exception, then works."""
 
     model: FaultyModel = field(default_factory=FaultyModel)
-    last_stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str = "length"
     calls: int = 0
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         return [1, 2, 3]
 
-    def pieces(self, prompt: list[int], **options: object) -> Iterator[StreamPiece]:
+    def events(self, prompt: list[int], **options: object) -> Iterator[StreamPiece | Completion]:
         self.calls += 1
-        self.last_stats = GenerationStats(new_tokens=1, target_forwards=1)
         if self.calls == 1:
             raise ZeroDivisionError("boom")
         yield StreamPiece("ok", [7])
+        yield Completion(GenerationStats(new_tokens=1, target_forwards=1), "length", len(prompt))
 
 
 def test_worker_survives_an_unexpected_exception() -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
-from causaldraft.api import Engine
+from causaldraft.api import Completion, Engine
 from causaldraft.errors import CausalDraftError
 from causaldraft.serve.metrics import Metrics
 
@@ -191,27 +191,23 @@ class Worker:
         engine = self.engine
         self.deliver(job, Started(len(prompt_ids), max_tokens))
         started = time.perf_counter()
-        previous_stats = engine.last_stats
-        pieces = engine.pieces(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
+        events = engine.events(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
                                top_p=request.top_p, seed=request.seed, stop=request.stop)  # fmt: skip
         completion_tokens = 0
-        cancelled = False
         try:
-            for piece in pieces:
-                completion_tokens += len(piece.token_ids)
-                self.deliver(job, Piece(piece.text, len(piece.token_ids)))
+            for item in events:
+                if isinstance(item, Completion):
+                    self.metrics.record_generation(item.stats, item.prompt_tokens, time.perf_counter() - started)
+                    self.deliver(job, Finished(item.finish_reason, item.prompt_tokens, completion_tokens))
+                    return "completed"
+                completion_tokens += len(item.token_ids)
+                self.deliver(job, Piece(item.text, len(item.token_ids)))
                 if job.cancelled.is_set():
-                    cancelled = True
-                    break
+                    return "cancelled"
         finally:
-            if isinstance(pieces, Generator):
-                pieces.close()
-            if engine.last_stats is not previous_stats:  # prefill ran: these stats are this request's
-                self.metrics.record_generation(engine.last_stats, len(prompt_ids), time.perf_counter() - started)
-        if cancelled:
-            return "cancelled"
-        self.deliver(job, Finished(engine.finish_reason, len(prompt_ids), completion_tokens))
-        return "completed"
+            if isinstance(events, Generator):
+                events.close()
+        raise AssertionError("Engine.events ends with a Completion")
 
     def deliver(self, job: Job, event: Event) -> None:
         try:

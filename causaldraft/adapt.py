@@ -19,10 +19,23 @@ from dataclasses import dataclass, field
 import torch
 
 from causaldraft.config import DecodeConfig, TreeConfig
+from causaldraft.drafters.base import Draft
 from causaldraft.models.base import Backend
+from causaldraft.tree import TreeDraft, prune
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
+# moving averages: the weight an old value keeps at each step
+COST_KEEP = 0.9  # measured verify seconds per node count
+TOKENS_KEEP = 0.8  # tokens per speculative step, and drafting seconds
+CALIBRATION_KEEP = 0.9  # accepted drafts / predicted, globally and per budget class
+DEPTH_KEEP = 0.9  # hit rate per draft depth
+CALIBRATION_FLOOR = 0.05
+BUDGET_CALIBRATION_CEILING = 2.0  # a budget class may earn more than its scores predict, up to this
+NARROW_AT_HIT_RATE = 0.8  # depth-1 hit rate above which trees drop one branch per level
+PROBES_BEFORE_FALLBACK = 4  # speculative steps measured before speculation may be judged unprofitable
+STEPS_TO_FORGIVE = 8  # profitable steps after which past fallbacks are forgotten
+MAX_BACKOFF_DOUBLINGS = 4  # plain stretches grow 2x per consecutive fallback, up to 16x
 
 
 def round_up(sizes: tuple[int, ...], n: int) -> int:
@@ -63,7 +76,7 @@ class VerifyCost:
         if key != nodes and abs(key - nodes) > max(1, nodes // 4):
             key = nodes
         previous = self.seconds.get(key, seconds)
-        self.seconds[key] = 0.9 * previous + 0.1 * seconds
+        self.seconds[key] = COST_KEEP * previous + (1 - COST_KEEP) * seconds
 
 
 def measure_verify_cost(
@@ -171,27 +184,89 @@ def update_after_step(
     if drafted == 0:
         return
     state.probe_steps += 1
-    state.tokens_per_step = 0.8 * state.tokens_per_step + 0.2 * (accepted + 1)
-    state.draft_seconds = 0.8 * state.draft_seconds + 0.2 * draft_seconds if state.probe_steps > 1 else draft_seconds
+    state.tokens_per_step = ema(state.tokens_per_step, accepted + 1, TOKENS_KEEP)
+    state.draft_seconds = (
+        ema(state.draft_seconds, draft_seconds, TOKENS_KEEP) if state.probe_steps > 1 else draft_seconds
+    )
     if predicted > 0:
         # Capped at 1: one global factor cannot tell strong nodes from the weak tail, and inflating
         # every score (e.g. when merged lookup paths outperform the heads) buys oversized trees.
-        ratio = min(1.0, max(0.05, accepted / predicted))
-        state.score_calibration = 0.9 * state.score_calibration + 0.1 * ratio
+        ratio = min(1.0, max(CALIBRATION_FLOOR, accepted / predicted))
+        state.score_calibration = ema(state.score_calibration, ratio, CALIBRATION_KEEP)
         key = budget_class(nodes)
-        own = max(0.05, min(2.0, accepted / predicted))
-        state.budget_calibration[key] = 0.9 * state.budget_calibration.get(key, state.score_calibration) + 0.1 * own
+        own = max(CALIBRATION_FLOOR, min(BUDGET_CALIBRATION_CEILING, accepted / predicted))
+        state.budget_calibration[key] = ema(state.budget_calibration.get(key, state.score_calibration), own,
+                                            CALIBRATION_KEEP)  # fmt: skip
     for depth in range(min(len(state.depth_hits), accepted + 1)):
-        state.depth_hits[depth] = 0.9 * state.depth_hits[depth] + 0.1 * float(depth < accepted)
+        state.depth_hits[depth] = ema(state.depth_hits[depth], float(depth < accepted), DEPTH_KEEP)
     if decode.adapt and tree.kind == "chain":
         state.depth = max(1, min(tree.depth, round(state.tokens_per_step) + 1))
     if decode.adapt and tree.kind != "chain":
-        state.width = tree.width if state.depth_hits[0] < 0.8 else max(1, tree.width - 1)
+        state.width = tree.width if state.depth_hits[0] < NARROW_AT_HIT_RATE else max(1, tree.width - 1)
     speedup = state.tokens_per_step * cost(1) / (cost(nodes) + state.draft_seconds)
-    if decode.fallback and state.timed and state.probe_steps >= 4 and speedup < 1.0:
+    if decode.fallback and state.timed and state.probe_steps >= PROBES_BEFORE_FALLBACK and speedup < 1.0:
         state.failures += 1
         state.speculating = False
-        state.plain_steps_left = decode.reprobe_every * 2 ** min(state.failures - 1, 4)
-        state.tokens_per_step = 2.0
-    elif speedup >= 1.0 and state.probe_steps >= 8:
+        state.plain_steps_left = decode.reprobe_every * 2 ** min(state.failures - 1, MAX_BACKOFF_DOUBLINGS)
+        state.tokens_per_step = AdaptState.tokens_per_step
+    elif speedup >= 1.0 and state.probe_steps >= STEPS_TO_FORGIVE:
         state.failures = 0
+
+
+def ema(previous: float, value: float, keep: float) -> float:
+    return keep * previous + (1 - keep) * value
+
+
+@dataclass
+class BudgetPolicy:
+    """How big a draft may be, which of its nodes are verified, and when to stop speculating.
+
+    It owns the measured verify cost (shared by an engine's requests) and the adaptation state;
+    the decode loop asks ``limits()`` before drafting, ``prune()`` after, and ``observe()`` after
+    each verify pass. Sizing from measured times is off when adaptation is off or the run must
+    not depend on the clock (``state.timed`` False)."""
+
+    tree: TreeConfig
+    decode: DecodeConfig
+    cost: VerifyCost
+    state: AdaptState
+
+    @property
+    def sized(self) -> bool:
+        return self.decode.adapt and self.state.timed
+
+    def limits(self) -> DraftLimits | None:
+        """What to draft this step; None: decode plainly (after a fallback)."""
+        if not self.state.speculating:
+            return None
+        depth, max_nodes = (
+            draft_limits(self.state, self.tree) if self.sized else (self.state.depth, self.tree.max_nodes)
+        )
+        return DraftLimits(depth, self.state.width, max_nodes)
+
+    def prune(self, draft: Draft) -> Draft:
+        """Keep the node budget that maximises expected tokens per second (at least one draft
+        node: whether speculating pays at all is the fallback's call, from real acceptance)."""
+        if draft.tree.size <= 2 or not self.sized or draft.child_mode != "deterministic":
+            return draft
+        ranked = sorted(draft.scores[1:], reverse=True)
+        budget = max(2, choose_budget(ranked, self.state, self.cost, self.tree.max_nodes))
+        self.state.chosen_budget = budget
+        if budget >= draft.tree.size:
+            return draft
+        tree = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), budget)
+        return Draft.from_tree_draft(tree)
+
+    def observe(self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        nodes = draft.tree.size
+        self.cost.update(nodes, verify_seconds)
+        predicted = sum(draft.scores[1:]) if nodes > 1 else 0.0
+        update_after_step(self.state, self.tree, self.decode, self.cost, nodes - 1, predicted, accepted,
+                          draft_seconds, nodes)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    depth: int
+    width: int
+    max_nodes: int

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from causaldraft.adapt import AdaptState, VerifyCost, initial_adapt_state, measure_verify_cost
+from causaldraft.adapt import AdaptState, BudgetPolicy, VerifyCost, initial_adapt_state, measure_verify_cost
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig, validate_max_new_tokens
 from causaldraft.decode import Decoder, GenerationStats, decode_steps, prefill
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
@@ -107,7 +107,8 @@ class Engine:
         # shapes, and so random draws, never depend on the clock).
         seeded = seed is not None and not sampling.greedy and state.noise_seed is None
         adapt = initial_adapt_state(self.decoder.tree, timed=False) if seeded else self.adapt
-        for emitted in decode_steps(self.decoder, state, adapt, sampling, max_new_tokens):
+        policy = BudgetPolicy(self.decoder.tree, self.decoder.decode, self.decoder.cost, adapt)
+        for emitted in decode_steps(self.decoder, state, policy, sampling, max_new_tokens):
             kept, delta = text.add(emitted)
             kept_tokens += kept
             if kept or delta:

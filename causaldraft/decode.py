@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from causaldraft.adapt import AdaptState, VerifyCost, choose_budget, draft_limits, update_after_step
+from causaldraft.adapt import BudgetPolicy, VerifyCost
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache, ForwardOutput
 from causaldraft.sampling import gumbel_scores, warp_probs
-from causaldraft.tree import TreeDraft, compile_tree, full_mask, prune
+from causaldraft.tree import compile_tree, full_mask
 from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
 
 
@@ -128,34 +128,22 @@ def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator:
     return state
 
 
-def draft_step(decoder: Decoder, state: DecodeState, adapt: AdaptState, sampling: SamplingConfig) -> Draft:
-    if not adapt.speculating:
+def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampling: SamplingConfig) -> Draft:
+    limits = policy.limits()
+    if limits is None:
         return Draft.root_only(state.tokens[-1])
-    sized = decoder.decode.adapt and adapt.timed
-    depth, max_nodes = draft_limits(adapt, decoder.tree) if sized else (adapt.depth, decoder.tree.max_nodes)
     context = DraftContext(
         tokens=tuple(state.tokens),
         hidden=state.hidden,
         tree_kind=decoder.tree.kind,
-        depth=depth,
-        width=adapt.width,
-        max_nodes=max_nodes,
+        depth=limits.depth,
+        width=limits.width,
+        max_nodes=limits.max_nodes,
         sampling=sampling,
         generator=state.generator,
         noise_seed=state.noise_seed,
     )
-    draft = decoder.drafter.propose(context)
-    if draft.tree.size <= 2 or not sized or draft.child_mode != "deterministic":
-        return draft
-    ranked = sorted(draft.scores[1:], reverse=True)
-    # At least one draft node stays: whether speculating pays at all is the fallback's decision,
-    # which needs the acceptance of real drafts (a root-only tree would pay the draft for nothing).
-    budget = max(2, choose_budget(ranked, adapt, decoder.cost, decoder.tree.max_nodes))
-    adapt.chosen_budget = budget
-    if budget >= draft.tree.size:
-        return draft
-    tree = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), budget)
-    return Draft.from_tree_draft(tree)
+    return policy.prune(decoder.drafter.propose(context))
 
 
 def verify_step(
@@ -197,14 +185,15 @@ def commit_step(
 def decode_steps(
     decoder: Decoder,
     state: DecodeState,
-    adapt: AdaptState,
+    policy: BudgetPolicy,
     sampling: SamplingConfig,
     max_new_tokens: int,
 ) -> Iterator[list[int]]:
-    """Yield each step's emitted tokens, cut at EOS and max_new_tokens (EOS itself is emitted)."""
+    """Yield each step's emitted tokens, cut at EOS and max_new_tokens (EOS itself is emitted):
+    draft -> verify -> commit -> accept -> observe."""
     while not state.finished:
         started = time.perf_counter()
-        draft = draft_step(decoder, state, adapt, sampling)
+        draft = draft_step(decoder, state, policy, sampling)
         drafted_at = time.perf_counter()
         prefix_length = state.cache.length
         acceptance, out = verify_step(decoder, state, draft, sampling)
@@ -214,13 +203,10 @@ def decode_steps(
         result = StepResult(draft, acceptance, tuple(state.tokens), features)
         decoder.drafter.observe(result)
         accepted = len(acceptance.path) - 1
-        step = StepStats(draft.tree.size, accepted, drafted_at - started, verified_at - drafted_at, adapt.speculating)
+        step = StepStats(draft.tree.size, accepted, drafted_at - started, verified_at - drafted_at,
+                         policy.state.speculating)  # fmt: skip
         state.stats.record(step, max_depth(draft))
-        decoder.cost.update(draft.tree.size, step.verify_s)
-        update_after_step(
-            adapt, decoder.tree, decoder.decode, decoder.cost, draft.tree.size - 1,
-            sum(draft.scores[1:]) if draft.tree.size > 1 else 0.0, accepted, step.draft_s, draft.tree.size,
-        )  # fmt: skip
+        policy.observe(draft, accepted, step.draft_s, step.verify_s)
         if emitted:
             yield emitted
 

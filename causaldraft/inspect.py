@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from causaldraft.adapt import BudgetPolicy
 from causaldraft.decode import draft_step, prefill
 from causaldraft.tree import Tree, compile_tree
 
@@ -60,7 +61,8 @@ def show_tree(args: argparse.Namespace) -> None:
     engine = load(**engine_options(args))  # type: ignore[arg-type]
     prompt_ids = engine.encode(args.prompt, chat=args.chat)
     state = prefill(engine.decoder, prompt_ids, 1, None)
-    draft = draft_step(engine.decoder, state, engine.adapt, SamplingConfig())
+    policy = BudgetPolicy(engine.decoder.tree, engine.decoder.decode, engine.decoder.cost, engine.adapt)
+    draft = draft_step(engine.decoder, state, policy, SamplingConfig())
     compiled = compile_tree(draft.tree)
     decode = engine.tokenizer.decode
     prefix = state.cache.length

@@ -2,8 +2,19 @@
 
 import pytest
 
-from causaldraft.adapt import VerifyCost, choose_budget, draft_limits, initial_adapt_state, update_after_step
+from causaldraft.adapt import (
+    PROBES_BEFORE_FALLBACK,
+    BudgetPolicy,
+    DraftLimits,
+    VerifyCost,
+    choose_budget,
+    draft_limits,
+    initial_adapt_state,
+    update_after_step,
+)
 from causaldraft.config import DecodeConfig, TreeConfig
+from causaldraft.drafters.base import Draft
+from causaldraft.tree import Tree
 
 
 def test_verify_cost_interpolates_between_measured_sizes() -> None:
@@ -70,3 +81,29 @@ def test_draft_limits_follow_the_chosen_budget_with_room_to_double() -> None:
     assert draft_limits(state, tree) == (5, 16)
     state.chosen_budget = 32
     assert draft_limits(state, tree) == (5, 32)  # never past the configured ceiling
+
+
+def chain_draft(scores: list[float]) -> Draft:
+    """A chain of len(scores) draft nodes under a root, with those cumulative scores."""
+    size = len(scores) + 1
+    return Draft(Tree(tuple(range(-1, size - 1)), tuple(range(size))), (1.0, *scores), "deterministic")
+
+
+def test_the_budget_policy_sizes_prunes_observes_and_falls_back_on_its_own() -> None:
+    tree, decode = TreeConfig(kind="chain", depth=8, width=1, max_nodes=32), DecodeConfig()
+    cost = VerifyCost({1: 0.020, 2: 0.021, 4: 0.022, 8: 0.040, 16: 0.080})
+    policy = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree))
+    assert policy.limits() == DraftLimits(8, 1, 32)  # nothing chosen yet: the whole tree
+    pruned = policy.prune(chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01]))
+    assert pruned.tree.size == 4 and policy.state.chosen_budget == 4  # 8 nodes cost twice as much for ~0.3 tokens
+    assert policy.limits() == DraftLimits(7, 1, 8)  # room to double
+    policy.observe(pruned, accepted=3, draft_seconds=0.001, verify_seconds=0.030)
+    assert cost.seconds[4] == pytest.approx(0.9 * 0.022 + 0.1 * 0.030)  # the measured cost is refined
+    steps = 0
+    while policy.limits() is not None and steps < 20:  # nothing accepted: plain decoding pays better
+        policy.observe(pruned, accepted=0, draft_seconds=0.001, verify_seconds=0.030)
+        steps += 1
+    assert PROBES_BEFORE_FALLBACK <= steps < 20 and policy.state.plain_steps_left == decode.reprobe_every
+    untimed = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree, timed=False))
+    draft = chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01])
+    assert untimed.prune(draft) is draft  # reproducible runs never size drafts from the clock

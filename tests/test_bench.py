@@ -37,7 +37,7 @@ def bench(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     # fixed trees, no fallback: every step of a drafter method verifies a real draft
     engine = EngineOptions(draft_layers=2, adapt=False, fallback=False)
     config = BenchConfig(prompts=str(prompts), methods=METHODS, model=str(tiny_llama_dir), dtype="float32",
-                         max_new_tokens=20, engine=engine)  # fmt: skip
+                         max_new_tokens=20, engine=engine, compile=False)  # fmt: skip
     run = run_bench(config, progress=False)
     out = directory / "out"
     results = write_outputs(run, out)
@@ -122,7 +122,7 @@ def test_report_and_plots_exist(bench: tuple[Path, dict, BenchRun]) -> None:
 def test_cli_sampling_and_profile(tiny_llama_dir: Path, tmp_path: Path) -> None:
     prompts = write_prompts(tmp_path / "questions.jsonl")
     out = tmp_path / "out"
-    code = main(["bench", "--prompts", str(prompts), "--methods", "ar,lookup,hf-lookup", "--model",
+    code = main(["bench", "--no-compile", "--prompts", str(prompts), "--methods", "ar,lookup,hf-lookup", "--model",
                  str(tiny_llama_dir), "--dtype", "float32", "--temperature", "0.8", "--max-new-tokens", "8",
                  "--categories", "math", "--profile", "--budgets", "4,8", "--no-progress",
                  "--out", str(out)])  # fmt: skip
@@ -139,11 +139,11 @@ def test_cli_sampling_and_profile(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--prompts", str(tmp_path / "missing.jsonl"), "--methods", "ar"]) == 2
+    assert main(["bench", "--no-compile", "--prompts", str(tmp_path / "missing.jsonl"), "--methods", "ar"]) == 2
     assert "does not exist" in capsys.readouterr().err
     prompts = write_prompts(tmp_path / "questions.jsonl")
-    assert main(["bench", "--prompts", str(prompts), "--methods", "ar", "--repeats", "0"]) == 2
-    assert main(["bench", "--prompts", str(prompts), "--methods", "ar", "--threads", "0"]) == 2
+    assert main(["bench", "--no-compile", "--prompts", str(prompts), "--methods", "ar", "--repeats", "0"]) == 2
+    assert main(["bench", "--no-compile", "--prompts", str(prompts), "--methods", "ar", "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
 
 

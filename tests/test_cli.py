@@ -13,7 +13,7 @@ from causaldraft.cli import main
 
 
 def test_generate_json_contract(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["generate", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
+    code = main(["generate", "--no-compile", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
                  "--dtype", "float32", "--max-new-tokens", "12", "--json", "--drafter", "lookup"])  # fmt: skip
     assert code == 0
     payload = json.loads(capsys.readouterr().out)
@@ -25,7 +25,7 @@ def test_generate_json_contract(tiny_llama_dir: Path, capsys: pytest.CaptureFixt
 
 
 def test_generate_stream_prints_the_same_text(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    common = ["generate", "--prompt", "abcabc", "--model", str(tiny_llama_dir), "--dtype", "float32",
+    common = ["generate", "--no-compile", "--prompt", "abcabc", "--model", str(tiny_llama_dir), "--dtype", "float32",
               "--max-new-tokens", "10"]  # fmt: skip
     assert main([*common, "--json"]) == 0
     text = json.loads(capsys.readouterr().out)["text"]
@@ -34,8 +34,8 @@ def test_generate_stream_prints_the_same_text(tiny_llama_dir: Path, capsys: pyte
 
 
 def test_chat_flag_applies_the_template(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--prompt", "hi", "--chat", "--model", str(tiny_llama_dir), "--dtype", "float32",
-                 "--max-new-tokens", "3", "--json"]) == 0  # fmt: skip
+    assert main(["generate", "--no-compile", "--prompt", "hi", "--chat", "--model", str(tiny_llama_dir),
+                 "--dtype", "float32", "--max-new-tokens", "3", "--json"]) == 0  # fmt: skip
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
 
 
@@ -43,7 +43,7 @@ def test_show_tree_prints_tree_mask_and_png(
     tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     png = tmp_path / "mask.png"
-    assert main(["show-tree", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
+    assert main(["show-tree", "--no-compile", "--prompt", "hello world hello world", "--model", str(tiny_llama_dir),
                  "--dtype", "float32", "--drafter", "draft", "--draft-layers", "2", "--tree", "static",
                  "--png", str(png)]) == 0  # fmt: skip
     out = capsys.readouterr().out
@@ -59,7 +59,9 @@ def test_show_tree_prints_tree_mask_and_png(
 def test_bad_input_is_one_clear_line(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
-    code = main(["generate", "--prompt", "x", "--model", str(tiny_llama_dir), "--dtype", "float32", *extra])
+    code = main(
+        ["generate", "--no-compile", "--prompt", "x", "--model", str(tiny_llama_dir), "--dtype", "float32", *extra]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err

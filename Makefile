@@ -30,8 +30,8 @@ $(SPEC_BIN)/python: Makefile
 	touch $(SPEC_BIN)/python
 
 demo: setup
-	$(BIN)/causaldraft generate --chat --stream --drafter markov --prompt "$(PROMPT)"
-	$(BIN)/causaldraft generate --chat --json --drafter markov --max-new-tokens 128 --prompt "$(PROMPT)"
+	$(BIN)/causaldraft generate --chat --stream --prompt "$(PROMPT)"
+	$(BIN)/causaldraft generate --chat --json --max-new-tokens 128 --prompt "$(PROMPT)"
 	$(BIN)/causaldraft bench --prompts bench/prompts/mt-bench-8.jsonl --limit 2 --max-new-tokens 128 \
 		--methods hf,ar,lookup,markov:dynamic --out runs/demo
 

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     add_model_flags(generate)
-    add_drafter_flags(generate, default_drafter="none")
+    add_drafter_flags(generate, default_drafter="lookup")
     add_sampling_flags(generate)
     generate.set_defaults(func=run_generate)
 

@@ -205,7 +205,7 @@ def decode_steps(
         accepted = len(acceptance.path) - 1
         step = StepStats(draft.tree.size, accepted, drafted_at - started, verified_at - drafted_at,
                          policy.state.speculating)  # fmt: skip
-        state.stats.record(step, max_depth(draft))
+        state.stats.record(step, max(draft.tree.depths))
         policy.observe(draft, accepted, step.draft_s, step.verify_s)
         if emitted:
             yield emitted
@@ -224,10 +224,3 @@ def accept_tokens(decoder: Decoder, state: DecodeState, tokens: list[int], max_n
             state.finished, state.finish_reason = True, "length"
             break
     return emitted
-
-
-def max_depth(draft: Draft) -> int:
-    depths = [0] * draft.tree.size
-    for node in range(1, draft.tree.size):
-        depths[node] = depths[draft.tree.parents[node]] + 1
-    return max(depths)

@@ -13,7 +13,7 @@ row i true at i and its ancestors: row 3 = {0, 1, 3}, row 2 = {0, 2}. Root-to-le
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,13 +22,17 @@ import torch
 class Tree:
     parents: tuple[int, ...]  # parents[0] == -1, parents[i] < i
     tokens: tuple[int, ...]
+    depths: tuple[int, ...] = field(init=False, repr=False, compare=False)  # root 0; the one place it is computed
 
     def __post_init__(self) -> None:
         if len(self.parents) != len(self.tokens) or not self.parents or self.parents[0] != -1:
             raise ValueError("a tree needs a root (parent -1) and one parent per token")
+        depths = [0]
         for index, parent in enumerate(self.parents[1:], start=1):
             if not 0 <= parent < index:
                 raise ValueError(f"node {index} has parent {parent}; parents must precede children")
+            depths.append(depths[parent] + 1)
+        object.__setattr__(self, "depths", tuple(depths))
 
     @property
     def size(self) -> int:
@@ -52,12 +56,10 @@ class CompiledTree:
 def compile_tree(tree: Tree) -> CompiledTree:
     n = tree.size
     mask = torch.zeros(n, n, dtype=torch.bool)
-    depths = [0] * n
     for node in range(n):
         parent = tree.parents[node]
         if parent >= 0:
             mask[node] = mask[parent]
-            depths[node] = depths[parent] + 1
         mask[node, node] = True
     has_child = set(tree.parents[1:])
     paths = []
@@ -66,7 +68,7 @@ def compile_tree(tree: Tree) -> CompiledTree:
         while tree.parents[path[-1]] >= 0:
             path.append(tree.parents[path[-1]])
         paths.append(tuple(reversed(path)))
-    return CompiledTree(mask=mask, depths=torch.tensor(depths, dtype=torch.long), paths=tuple(paths))
+    return CompiledTree(mask=mask, depths=torch.tensor(tree.depths, dtype=torch.long), paths=tuple(paths))
 
 
 def full_mask(compiled: CompiledTree, prefix_length: int) -> torch.Tensor:
@@ -98,13 +100,6 @@ class TreeDraft:
 
     def freeze(self) -> Tree:
         return Tree(tuple(self.parents), tuple(self.tokens))
-
-    def depth(self, node: int) -> int:
-        depth = 0
-        while self.parents[node] >= 0:
-            node = self.parents[node]
-            depth += 1
-        return depth
 
     def child_with_token(self, node: int, token: int) -> int | None:
         for index, parent in enumerate(self.parents):

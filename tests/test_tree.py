@@ -72,3 +72,9 @@ def test_merge_paths_shares_prefixes() -> None:
     assert draft.tokens == [0, 5, 6, 7]
     assert draft.parents == [-1, 0, 1, 0]
     assert draft.scores[1] == 0.8
+
+
+def test_tree_depths_are_computed_once_with_the_tree() -> None:
+    tree = Tree((-1, 0, 0, 1, 3), (5, 6, 7, 8, 9))
+    assert tree.depths == (0, 1, 1, 2, 3)
+    assert compile_tree(tree).depths.tolist() == list(tree.depths)

@@ -126,16 +126,14 @@ class Eagle3Drafter:
         assert self.root_out is not None
         outputs: dict[int, torch.Tensor] = {0: self.root_out}  # node -> its row's output [h]
         slots: dict[int, int] = {0: self.committed - 1}  # node -> its cache row
-        depths: dict[int, int] = {0: 0}
         written = self.committed
         root_position = len(context.tokens) - 1
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             nonlocal written
             fresh = [node for node in nodes if node not in outputs]
+            depths = tree.depths
             if fresh:
-                for node in fresh:
-                    depths[node] = depths[tree.parents[node]] + 1
                 self.ensure_rows(written + len(fresh) + 1)
                 rows = torch.arange(written, written + len(fresh))
                 mask = torch.zeros(len(fresh), written + len(fresh), dtype=torch.bool)

@@ -222,14 +222,11 @@ class HeadsDrafter:
         count = 1 if context.tree_kind == "chain" else context.width
         hidden = context.hidden.float().unsqueeze(0)  # type: ignore[union-attr]  # [1, hidden]
         states: dict[int, torch.Tensor] = {}  # node -> its state [hidden] (s_{depth+1})
-        depths: dict[int, int] = {0: 0}
         medusa_states: dict[int, torch.Tensor] = {}
         root_position = len(context.tokens) - 1
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
-            for node in nodes:
-                if node not in depths:
-                    depths[node] = depths[tree.parents[node]] + 1
+            depths = tree.depths
             live = [node for node in nodes if depths[node] < heads.config.num_heads]
             result: dict[int, Candidates] = {node: [] for node in nodes}
             for depth in sorted({depths[node] for node in live}):

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import httpx
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.flags import add_drafter_flags, add_model_flags, engine_options
+from causaldraft.flags import add_drafter_flags, add_model_flags, engine_config
 from causaldraft.serve.cli import SERVE_DEFAULT_DRAFTER
 from causaldraft.serve.metrics import parse_metrics
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         from causaldraft.serve.app import create_app
         from causaldraft.serve.server import BackgroundServer
 
-        engine = load(**engine_options(args))  # type: ignore[arg-type]
+        engine = load(engine_config(args))
         with BackgroundServer(create_app(engine, max_queue=args.max_queue)) as server:
             report = asyncio.run(run_load(server.url, args))
     payload = asdict(report)

@@ -7,9 +7,10 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from causaldraft.adapt import AdaptState, BudgetPolicy, VerifyCost, initial_adapt_state, measure_verify_cost
-from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig, validate_max_new_tokens
+from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
 from causaldraft.decode import Decoder, GenerationStats, decode_steps, prefill
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
@@ -226,48 +227,38 @@ def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], r
 
 
 def load(
-    model: str = "default",
-    dtype: str = "auto",
-    drafter: str = "markov",
-    tree: str = "dynamic",
-    backend: str = "native",
-    depth: int | None = None,
-    width: int | None = None,
-    max_nodes: int | None = None,
-    acceptance: str = "lossless",
-    sampler: str = "gumbel",
-    adapt: bool = True,
-    fallback: bool = True,
-    calibrate: bool = True,
-    draft_model: str | None = None,
-    draft_layers: int = 4,
-    heads: str | None = None,
-    lookup_merge: bool = True,
-    compile: bool = False,
-    loaded: LoadedModel | None = None,
-) -> Engine:
+    config: EngineConfig | str | None = None, dtype: str | None = None, *, loaded: LoadedModel | None = None,
+    **options: Any,
+) -> Engine:  # fmt: skip
     """Load a target model and a drafter into an engine.
 
-    ``loaded`` reuses an already loaded target (the bench shares one across methods).
+    ``config`` holds every setting; a model name or path there, ``dtype`` and keyword arguments
+    (the fields of ``EngineConfig``) are a convenience that builds one:
+    ``load("default", drafter="lookup")``. ``loaded`` reuses an already loaded target (the bench
+    shares one across methods).
     """
-    defaults = TreeConfig()
-    tree_config = TreeConfig(
-        kind=tree,
-        depth=depth if depth is not None else (defaults.depth if tree != "chain" else 6),
-        width=width if width is not None else (defaults.width if tree != "chain" else 1),
-        max_nodes=max_nodes if max_nodes is not None else defaults.max_nodes,
-    )
-    decode_config = DecodeConfig(acceptance=acceptance, adapt=adapt, fallback=fallback and drafter != "none",
-                                 sampler=sampler)  # fmt: skip
-    target = loaded or load_model(model, backend, dtype)
-    if compile:
+    if isinstance(config, str):
+        config, options = None, {"model": config, **options}
+    if dtype is not None:
+        options["dtype"] = dtype
+    if config is None:
+        try:
+            config = EngineConfig(**options)
+        except TypeError as error:  # an unknown keyword
+            raise CausalDraftError(f"unknown engine setting: {error}") from None
+    elif options:
+        raise CausalDraftError("pass either an EngineConfig or keyword settings, not both")
+    target = loaded or load_model(config.model, config.backend, config.dtype)
+    if config.compile:
         compile_backend(target)
-    options = DrafterOptions(draft_model=draft_model, draft_layers=draft_layers, heads=heads, lookup_merge=lookup_merge)
-    chosen = build_drafter(drafter, target, options, target.dtype)
-    if calibrate:
+    options_ = DrafterOptions(draft_model=config.draft_model, draft_layers=config.draft_layers, heads=config.heads,
+                              lookup_merge=config.lookup_merge)  # fmt: skip
+    chosen = build_drafter(config.drafter, target, options_, target.dtype)
+    tree_config = config.tree_config
+    if config.calibrate:
         cost = verify_cost(target.backend, tree_config.max_nodes, chosen.feature_layers)
     else:
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
-    decoder = Decoder(target.backend, chosen, tree_config, decode_config, cost, frozenset(eos))
-    return Engine(target, decoder, drafter, initial_adapt_state(tree_config))
+    decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, frozenset(eos))
+    return Engine(target, decoder, config.drafter, initial_adapt_state(tree_config))

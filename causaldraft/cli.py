@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 from causaldraft.config import DTYPES, TreeConfig
 from causaldraft.errors import CausalDraftError
-from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_options
+from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_config
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from causaldraft.api import load
 
-    engine = load(**engine_options(args))  # type: ignore[arg-type]
+    engine = load(engine_config(args))
     options = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

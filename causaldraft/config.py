@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from causaldraft.errors import CausalDraftError
 
@@ -80,6 +80,93 @@ class DecodeConfig:
             raise CausalDraftError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.reprobe_every < 1:
             raise CausalDraftError("reprobe_every must be >= 1")
+
+
+CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)
+
+
+def tree_config_of(kind: str, depth: int | None, width: int | None, max_nodes: int | None) -> TreeConfig:
+    """A tree of ``kind`` with the given sizes, the kind's defaults for the ones left None."""
+    defaults = TreeConfig()
+    chain = kind == "chain"
+    return TreeConfig(
+        kind=kind,
+        depth=depth if depth is not None else (CHAIN_DEPTH if chain else defaults.depth),
+        width=width if width is not None else (1 if chain else defaults.width),
+        max_nodes=max_nodes if max_nodes is not None else defaults.max_nodes,
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that builds an engine, validated once: the target (model, backend, dtype,
+    compile), the drafter and its options, the draft tree and the decode policy.
+
+    ``load(config)`` takes it; the CLI builds it from flags (``flags.engine_config``); the bench
+    derives its methods from it (``for_method``) and its reproducing command from ``flags()``.
+    Tree sizes left None take the tree kind's defaults (``tree_config``)."""
+
+    model: str = "default"
+    backend: str = "native"
+    dtype: str = "auto"
+    compile: bool = False
+    drafter: str = "markov"
+    tree: str = "dynamic"
+    depth: int | None = None
+    width: int | None = None
+    max_nodes: int | None = None
+    acceptance: str = "lossless"
+    sampler: str = "gumbel"
+    adapt: bool = True
+    fallback: bool = True
+    calibrate: bool = True
+    draft_model: str | None = None
+    draft_layers: int = 4
+    heads: str | None = None
+    lookup_merge: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise CausalDraftError(f"backend must be native or hf, got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise CausalDraftError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.draft_layers < 1:
+            raise CausalDraftError(f"draft layers must be >= 1, got {self.draft_layers}")
+        self.tree_config  # noqa: B018  (validates the tree sizes)
+        self.decode_config  # noqa: B018
+
+    @property
+    def tree_config(self) -> TreeConfig:
+        return tree_config_of(self.tree, self.depth, self.width, self.max_nodes)
+
+    @property
+    def decode_config(self) -> DecodeConfig:
+        # plain decoding has nothing to fall back from
+        fallback = self.fallback and self.drafter != "none"
+        return DecodeConfig(acceptance=self.acceptance, adapt=self.adapt, fallback=fallback, sampler=self.sampler)
+
+    def for_method(self, drafter: str, tree: str, max_nodes: int | None = None) -> EngineConfig:
+        """The same settings for another drafter and tree kind (the bench's methods)."""
+        return replace(self, drafter=drafter, tree=tree, max_nodes=max_nodes or self.max_nodes)
+
+    def flags(self) -> list[str]:
+        """Command-line flags that rebuild this configuration (drafter and tree excepted: the bench
+        names them per method)."""
+        default = EngineConfig()
+        parts = ["--model", self.model, "--backend", self.backend, "--dtype", self.dtype]
+        parts.append("--compile" if self.compile else "--no-compile")
+        for flag, value, unset in (("--depth", self.depth, None), ("--width", self.width, None),
+                                   ("--max-nodes", self.max_nodes, None), ("--draft-model", self.draft_model, None),
+                                   ("--heads", self.heads, None), ("--acceptance", self.acceptance, default.acceptance),
+                                   ("--sampler", self.sampler, default.sampler),
+                                   ("--draft-layers", self.draft_layers, default.draft_layers)):  # fmt: skip
+            if value != unset:
+                parts += [flag, str(value)]
+        for flag, enabled in (("--no-lookup-merge", self.lookup_merge), ("--no-adapt", self.adapt),
+                              ("--no-fallback", self.fallback)):  # fmt: skip
+            if not enabled:
+                parts.append(flag)
+        return parts
 
 
 def validate_max_new_tokens(max_new_tokens: object) -> int:

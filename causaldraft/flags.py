@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import argparse
 
-from causaldraft.config import ACCEPTANCE_RULES, BACKENDS, DTYPES, SAMPLERS, TREE_KINDS, DecodeConfig, TreeConfig
+from causaldraft.config import (
+    ACCEPTANCE_RULES,
+    BACKENDS,
+    DTYPES,
+    SAMPLERS,
+    TREE_KINDS,
+    DecodeConfig,
+    EngineConfig,
+    TreeConfig,
+)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,26 +57,15 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "model": args.model,
-        "backend": args.backend,
-        "dtype": args.dtype,
-        "compile": compile_wanted(args),
-        "drafter": args.drafter,
-        "tree": args.tree,
-        "depth": args.depth,
-        "width": args.width,
-        "max_nodes": args.max_nodes,
-        "acceptance": args.acceptance,
-        "sampler": args.sampler,
-        "draft_model": args.draft_model,
-        "draft_layers": args.draft_layers,
-        "heads": args.heads,
-        "lookup_merge": not args.no_lookup_merge,
-        "adapt": not args.no_adapt,
-        "fallback": not args.no_fallback,
-    }
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the flags ask for (model flags, drafter flags and draft options)."""
+    return EngineConfig(
+        model=args.model, backend=args.backend, dtype=args.dtype, compile=compile_wanted(args),
+        drafter=getattr(args, "drafter", "none"), tree=getattr(args, "tree", TreeConfig().kind),
+        depth=args.depth, width=args.width, max_nodes=args.max_nodes, acceptance=args.acceptance,
+        sampler=args.sampler, adapt=not args.no_adapt, fallback=not args.no_fallback, draft_model=args.draft_model,
+        draft_layers=args.draft_layers, heads=args.heads, lookup_merge=not args.no_lookup_merge,
+    )  # fmt: skip
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

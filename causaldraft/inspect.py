@@ -56,9 +56,9 @@ def save_mask_png(mask: torch.Tensor, tokens: list[str], path: Path) -> None:
 def show_tree(args: argparse.Namespace) -> None:
     from causaldraft.api import load
     from causaldraft.config import SamplingConfig
-    from causaldraft.flags import engine_options
+    from causaldraft.flags import engine_config
 
-    engine = load(**engine_options(args))  # type: ignore[arg-type]
+    engine = load(engine_config(args))
     prompt_ids = engine.encode(args.prompt, chat=args.chat)
     state = prefill(engine.decoder, prompt_ids, 1, None)
     policy = BudgetPolicy(engine.decoder.tree, engine.decoder.decode, engine.decoder.cost, engine.adapt)

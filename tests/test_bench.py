@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from causaldraft.bench.harness import BenchConfig, BenchRun, answer_turns, run_bench
-from causaldraft.bench.methods import EngineOptions, MethodOutput, RunSettings, cut_at_eos, parse_method, parse_methods
+from causaldraft.bench.methods import MethodOutput, RunSettings, cut_at_eos, parse_method, parse_methods
 from causaldraft.bench.prompts import Question, read_questions
 from causaldraft.bench.report import first_difference, write_outputs
 from causaldraft.cli import main
+from causaldraft.config import EngineConfig
 from causaldraft.errors import CausalDraftError
 
 METHODS = ("ar", "lookup", "lookup:chain", "draft:static", "hf", "markov", "no-such-method")
@@ -35,9 +36,8 @@ def bench(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     directory = tmp_path_factory.mktemp("bench")
     prompts = write_prompts(directory / "questions.jsonl")
     # fixed trees, no fallback: every step of a drafter method verifies a real draft
-    engine = EngineOptions(draft_layers=2, adapt=False, fallback=False)
-    config = BenchConfig(prompts=str(prompts), methods=METHODS, model=str(tiny_llama_dir), dtype="float32",
-                         max_new_tokens=20, engine=engine, compile=False)  # fmt: skip
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", draft_layers=2, adapt=False, fallback=False)
+    config = BenchConfig(prompts=str(prompts), methods=METHODS, max_new_tokens=20, engine=engine)
     run = run_bench(config, progress=False)
     out = directory / "out"
     results = write_outputs(run, out)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from causaldraft.cli import main
+from causaldraft.errors import CausalDraftError
 
 
 def test_generate_json_contract(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,3 +74,20 @@ def test_missing_model_from_a_real_process_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("causaldraft: error:")
     assert "Traceback" not in result.stderr
+
+
+def test_engine_config_round_trips_through_its_flags() -> None:
+    """The bench's reproducing command is derived from the config: parsing its flags rebuilds it."""
+    from causaldraft.cli import build_parser
+    from causaldraft.config import EngineConfig
+    from causaldraft.flags import engine_config
+
+    config = EngineConfig(model="m", dtype="int4", compile=True, drafter="markov", tree="static", depth=3,
+                          max_nodes=12, sampler="rejection", adapt=False, draft_layers=2, heads="h",
+                          lookup_merge=False)  # fmt: skip
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "markov", "--tree", "static",
+                                      *config.flags()])  # fmt: skip
+    assert engine_config(args) == config
+    assert EngineConfig(tree="chain").tree_config.depth == 6 and EngineConfig().tree_config.depth == 5
+    with pytest.raises(CausalDraftError):
+        EngineConfig(depth=0)

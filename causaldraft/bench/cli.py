@@ -7,9 +7,9 @@ import json
 import sys
 
 from causaldraft.bench.harness import DEFAULT_BUDGETS, BenchConfig
-from causaldraft.bench.methods import EngineOptions, parse_methods
+from causaldraft.bench.methods import parse_methods
 from causaldraft.errors import CausalDraftError
-from causaldraft.flags import add_draft_options, add_model_flags, compile_wanted
+from causaldraft.flags import add_draft_options, add_model_flags, engine_config
 
 DEFAULT_OUT = "bench-out"
 
@@ -45,16 +45,12 @@ def parse_budgets(text: str) -> tuple[int, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    engine = EngineOptions(depth=args.depth, width=args.width, max_nodes=args.max_nodes, acceptance=args.acceptance,
-                           sampler=args.sampler, draft_model=args.draft_model, draft_layers=args.draft_layers,
-                           heads=args.heads, lookup_merge=not args.no_lookup_merge, adapt=not args.no_adapt,
-                           fallback=not args.no_fallback)  # fmt: skip
+    engine = engine_config(args)
     categories = tuple(part.strip() for part in (args.categories or "").split(",") if part.strip())
-    return BenchConfig(prompts=args.prompts, methods=tuple(parse_methods(args.methods)), model=args.model,
-                       backend=args.backend, dtype=args.dtype, temperature=args.temperature,
+    return BenchConfig(prompts=args.prompts, methods=tuple(parse_methods(args.methods)), temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, limit=args.limit, categories=categories,
                        repeats=args.repeats, warmup=args.warmup, seed=args.seed, profile=args.profile,
-                       budgets=parse_budgets(args.budgets), compile=compile_wanted(args), engine=engine)  # fmt: skip
+                       budgets=parse_budgets(args.budgets), engine=engine)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

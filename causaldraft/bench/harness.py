@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from tqdm import tqdm
 
 from causaldraft.bench.methods import (
-    EngineOptions,
     Method,
     MethodFactory,
     MethodOutput,
@@ -23,7 +22,7 @@ from causaldraft.bench.methods import (
     parse_method,
 )
 from causaldraft.bench.prompts import Question, read_questions
-from causaldraft.config import SamplingConfig, validate_max_new_tokens
+from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 
@@ -35,9 +34,8 @@ DEFAULT_BUDGETS = (4, 8, 16, 32, 48)
 class BenchConfig:
     prompts: str
     methods: tuple[str, ...]
-    model: str = "default"
-    backend: str = "native"
-    dtype: str = "auto"
+    # the target and the engine settings every causaldraft method shares (compiled graphs by default)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(compile=True))
     temperature: float = 0.0
     max_new_tokens: int = 256
     limit: int | None = None
@@ -47,8 +45,6 @@ class BenchConfig:
     seed: int = 0
     profile: bool = False
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    compile: bool = True  # compiled graphs for the shared native target (every causaldraft method)
-    engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
         SamplingConfig(temperature=self.temperature)
@@ -198,14 +194,15 @@ def run_bench(config: BenchConfig, progress: bool = True, loaded: LoadedModel | 
     from causaldraft.api import compile_backend, load
 
     questions = read_questions(config.prompts, config.limit, list(config.categories) or None)
-    target = loaded or load_model(config.model, config.backend, config.dtype)
-    if config.compile:
+    engine = config.engine
+    target = loaded or load_model(engine.model, engine.backend, engine.dtype)
+    if engine.compile:
         compile_backend(target)
-    config = replace(config, dtype=target.dtype)  # ``auto`` resolved: the report names what ran
+    config = replace(config, engine=replace(engine, dtype=target.dtype))  # ``auto`` resolved: the report names it
     run = BenchRun(config, questions, model_dir=str(target.model_dir), fingerprint=target.fingerprint)
-    encoder = load(config.model, config.dtype, drafter="none", loaded=target, calibrate=False)
+    encoder = load(replace(config.engine.for_method("none", "chain"), calibrate=False), loaded=target)
     tokenizer = target.tokenizer
-    factory = MethodFactory(target, config.model, target.dtype, config.engine, config.seed)
+    factory = MethodFactory(target, config.engine, config.seed)
     methods = build_methods(config, factory, run.errors)
     warm_up(config, methods, encoder, questions[0], run.errors)
     run.records = run_questions(config, methods, encoder, tokenizer, questions, config.repeats, run.errors, progress)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from causaldraft.config import TREE_KINDS, TreeConfig
+from causaldraft.config import TREE_KINDS, EngineConfig, TreeConfig
 from causaldraft.decode import StepStats
 from causaldraft.drafters.registry import DRAFTERS
 from causaldraft.errors import CausalDraftError
@@ -90,23 +90,6 @@ class Method(Protocol):
     name: str
 
     def generate(self, prompt_ids: list[int], settings: RunSettings) -> MethodOutput: ...
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """The causaldraft engine settings shared by every drafter method of a run."""
-
-    depth: int | None = None
-    width: int | None = None
-    max_nodes: int | None = None
-    acceptance: str = "lossless"
-    sampler: str = "gumbel"
-    draft_model: str | None = None
-    draft_layers: int = 4
-    heads: str | None = None
-    lookup_merge: bool = True
-    adapt: bool = True
-    fallback: bool = True
 
 
 class CausalDraftMethod:
@@ -251,9 +234,7 @@ class MethodFactory:
     """Builds methods on one loaded target; the transformers model is loaded once for hf methods."""
 
     loaded: LoadedModel
-    model: str
-    dtype: str
-    options: EngineOptions
+    config: EngineConfig  # the run's settings; each causaldraft method changes drafter and tree
     seed: int = 0
     hf_model: Any = field(default=None, repr=False)
 
@@ -277,9 +258,10 @@ class MethodFactory:
                 from transformers import AutoModelForCausalLM
 
                 # transformers has no CPU int4/int8 path for these checkpoints: its baselines run bfloat16
-                dtype = TORCH_DTYPES.get(self.dtype, torch.bfloat16)
-                if self.dtype not in TORCH_DTYPES:
-                    print(f"causaldraft: the hf baselines run bfloat16 weights (transformers has no {self.dtype} "
+                loaded_dtype = self.loaded.dtype
+                dtype = TORCH_DTYPES.get(loaded_dtype, torch.bfloat16)
+                if loaded_dtype not in TORCH_DTYPES:
+                    print(f"causaldraft: the hf baselines run bfloat16 weights (transformers has no {loaded_dtype} "
                           "CPU path)", file=sys.stderr)  # fmt: skip
                 model = AutoModelForCausalLM.from_pretrained(str(self.loaded.model_dir), dtype=dtype)
                 self.hf_model = model.eval().requires_grad_(False)
@@ -291,10 +273,10 @@ class MethodFactory:
         except ImportError as error:
             message = "llamacpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
             raise CausalDraftError(message) from error
-        if self.model == "default":
+        if self.config.model == "default":
             gguf = default_gguf_path()
-        elif self.model.endswith(".gguf"):
-            gguf = Path(self.model)
+        elif self.config.model.endswith(".gguf"):
+            gguf = Path(self.config.model)
         else:
             raise CausalDraftError("llamacpp needs --model default or a .gguf file")
         return LlamaCppMethod(spec.name, gguf, self.seed)
@@ -302,12 +284,5 @@ class MethodFactory:
     def causaldraft(self, spec: MethodSpec, max_nodes: int | None) -> Method:
         from causaldraft.api import load
 
-        options = self.options
-        engine = load(
-            model=self.model, dtype=self.dtype, drafter=spec.drafter, tree=spec.tree, depth=options.depth,
-            width=options.width, max_nodes=max_nodes or options.max_nodes, acceptance=options.acceptance,
-            sampler=options.sampler, adapt=options.adapt, fallback=options.fallback, draft_model=options.draft_model,
-            draft_layers=options.draft_layers, heads=options.heads, lookup_merge=options.lookup_merge,
-            loaded=self.loaded,
-        )  # fmt: skip
+        engine = load(self.config.for_method(spec.drafter, spec.tree, max_nodes), loaded=self.loaded)
         return CausalDraftMethod(spec.name, engine)

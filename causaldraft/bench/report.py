@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from causaldraft.bench.harness import BenchConfig, BenchRun
-from causaldraft.bench.methods import EngineOptions
 from causaldraft.bench.metrics import summarize
 from causaldraft.bench.plots import plot_acceptance_by_depth, plot_accepted_lengths, plot_budgets, plot_speedups
 
@@ -26,29 +25,13 @@ COLUMNS = ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar", "e
 def command_line(config: BenchConfig) -> str:
     """The causaldraft bench invocation that reproduces this configuration."""
     parts = ["causaldraft", "bench", "--prompts", config.prompts, "--methods", ",".join(config.methods)]
-    parts += ["--model", config.model, "--backend", config.backend, "--dtype", config.dtype]
+    parts += config.engine.flags()
     parts += ["--temperature", f"{config.temperature:g}", "--max-new-tokens", str(config.max_new_tokens)]
     if config.limit:
         parts += ["--limit", str(config.limit)]
     if config.categories:
         parts += ["--categories", ",".join(config.categories)]
     parts += ["--repeats", str(config.repeats)]
-    parts.append("--compile" if config.compile else "--no-compile")
-    engine = config.engine
-    for flag, value in (("--depth", engine.depth), ("--width", engine.width), ("--max-nodes", engine.max_nodes),
-                        ("--draft-model", engine.draft_model), ("--heads", engine.heads)):  # fmt: skip
-        if value is not None:
-            parts += [flag, str(value)]
-    if engine.acceptance != "lossless":
-        parts += ["--acceptance", engine.acceptance]
-    if engine.sampler != EngineOptions().sampler:
-        parts += ["--sampler", engine.sampler]
-    if engine.draft_layers != EngineOptions().draft_layers:
-        parts += ["--draft-layers", str(engine.draft_layers)]
-    for flag, enabled in (("--no-lookup-merge", engine.lookup_merge), ("--no-adapt", engine.adapt),
-                          ("--no-fallback", engine.fallback)):  # fmt: skip
-        if not enabled:
-            parts.append(flag)
     if config.profile:
         parts += ["--profile", "--budgets", ",".join(map(str, config.budgets))]
     return shlex.join(parts)
@@ -84,6 +67,8 @@ def library_versions() -> dict[str, str]:
 
 def config_record(run: BenchRun) -> dict[str, object]:
     config = dataclasses.asdict(run.config)
+    for name in ("model", "backend", "dtype", "compile"):  # the target's settings, at the top as before
+        config[name] = getattr(run.config.engine, name)
     config["command"] = command_line(run.config)
     config["questions"] = len(run.questions)
     config["model_dir"] = run.model_dir

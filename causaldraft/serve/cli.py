@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from causaldraft.flags import add_drafter_flags, add_model_flags, engine_options
+from causaldraft.flags import add_drafter_flags, add_model_flags, engine_config
 from causaldraft.serve.app import DEFAULT_MAX_QUEUE
 
 SERVE_DEFAULT_DRAFTER = "lookup"  # switch to "markov" once trained heads ship with the default model
@@ -33,7 +33,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CausalDraftError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise CausalDraftError(f"--port must be in [0, 65535], got {args.port}")
-    engine = load(**engine_options(args))  # type: ignore[arg-type]
+    engine = load(engine_config(args))
     app = create_app(engine, max_queue=args.max_queue, model_name=args.model_name)
     served = args.model_name or engine.model.model_dir.name
     print(f"causaldraft: serving {served} (drafter {args.drafter}) on http://{args.host}:{args.port}", flush=True)

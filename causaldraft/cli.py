@@ -56,7 +56,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_compile(args: argparse.Namespace) -> int:
     """Build the compiled graphs ahead (``make setup`` runs this for the default model) and time
-    verify passes for the default node budget, for drafters with and without target features."""
+    verify passes for the default node budget, for drafters with and without target features (kept
+    with the graphs; ``--recalibrate`` times them again)."""
     from causaldraft.api import compile_backend, verify_cost
     from causaldraft.models.compiled import GraphStore
     from causaldraft.models.loading import load_model
@@ -70,7 +71,7 @@ def run_compile(args: argparse.Namespace) -> int:
     max_nodes = args.max_nodes or TreeConfig().max_nodes
     seconds = {}
     for aux_layers in ((), default_aux_layers(backend.llama_shape.num_layers)):
-        cost = verify_cost(backend, max_nodes, aux_layers, remeasure=True)
+        cost = verify_cost(backend, max_nodes, aux_layers, remeasure=args.recalibrate)
         seconds[str(list(aux_layers))] = {size: round(value * 1000, 2) for size, value in sorted(cost.seconds.items())}
     store = backend.graph_store
     directory = store.directory if isinstance(store, GraphStore) else ""
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_command.add_argument("--model", default="default", help="default, a checkpoint directory or a .gguf file")
     compile_command.add_argument("--dtype", choices=DTYPES, default="auto")
     compile_command.add_argument("--max-nodes", type=int, default=None, help="node budget ceiling to time passes for")
+    compile_command.add_argument("--recalibrate", action="store_true",
+                                 help="time verify passes again (on a quiet machine), not the kept times")  # fmt: skip
     compile_command.set_defaults(func=run_compile)
 
     export = commands.add_parser("export-heads", help="write a trained eagle3 drafter for vLLM (speculators layout)")

@@ -251,9 +251,9 @@ def load(
     target = loaded or load_model(config.model, config.backend, config.dtype)
     if config.compile:
         compile_backend(target)
-    options_ = DrafterOptions(draft_model=config.draft_model, draft_layers=config.draft_layers, heads=config.heads,
-                              lookup_merge=config.lookup_merge)  # fmt: skip
-    chosen = build_drafter(config.drafter, target, options_, target.dtype)
+    drafter_options = DrafterOptions(draft_model=config.draft_model, draft_layers=config.draft_layers,
+                                     heads=config.heads, lookup_merge=config.lookup_merge)  # fmt: skip
+    chosen = build_drafter(config.drafter, target, drafter_options, target.dtype)
     tree_config = config.tree_config
     if config.calibrate:
         cost = verify_cost(target.backend, tree_config.max_nodes, chosen.feature_layers)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from causaldraft.config import DTYPES
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
@@ -150,8 +151,8 @@ def converted_from_4bit(model_dir: Path) -> bool:
 
 
 def load_model(model: str = "default", backend: str = "native", dtype: str = "auto") -> LoadedModel:
-    if dtype not in TORCH_DTYPES and dtype not in ("int8", "int4", "auto"):
-        raise CausalDraftError(f"dtype must be one of auto, float32, bfloat16, int8, int4; got {dtype!r}")
+    if dtype not in DTYPES:
+        raise CausalDraftError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     model_dir = resolve_model_dir(model)
     dtype = resolve_dtype(model_dir, dtype, backend)
     tokenizer = load_tokenizer(model_dir)

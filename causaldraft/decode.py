@@ -129,21 +129,24 @@ def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator:
 
 
 def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampling: SamplingConfig) -> Draft:
+    """The drafter's tree, sized by the policy and kept within the positions the target's next
+    pass may reach and stay row-invariant (``Backend.pass_room``: the root is one of them)."""
     limits = policy.limits()
-    if limits is None:
+    max_depth = decoder.target.pass_room(state.cache.length) - 1
+    if limits is None or max_depth < 1:
         return Draft.root_only(state.tokens[-1])
     context = DraftContext(
         tokens=tuple(state.tokens),
         hidden=state.hidden,
         tree_kind=decoder.tree.kind,
-        depth=limits.depth,
+        depth=min(limits.depth, max_depth),
         width=limits.width,
         max_nodes=limits.max_nodes,
         sampling=sampling,
         generator=state.generator,
         noise_seed=state.noise_seed,
     )
-    return policy.prune(decoder.drafter.propose(context))
+    return policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
 
 
 def verify_step(

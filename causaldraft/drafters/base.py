@@ -42,6 +42,23 @@ class Draft:
     def from_tree_draft(draft: TreeDraft, child_mode: str = "deterministic") -> Draft:
         return Draft(draft.freeze(), tuple(draft.scores), child_mode)
 
+    def within_depth(self, depth: int) -> Draft:
+        """The nodes at most ``depth`` below the root (a node's ancestors are shallower, so this
+        is a tree). Lossless for every acceptance rule: what is cut depends on positions alone.
+
+        Example: parents (-1, 0, 1, 0), depths (0, 1, 2, 1); within_depth(1) keeps nodes 0, 1, 3
+        as parents (-1, 0, 0).
+        """
+        depths = self.tree.depths
+        if max(depths) <= depth:
+            return self
+        kept = [node for node, node_depth in enumerate(depths) if node_depth <= depth]
+        new_index = {old: new for new, old in enumerate(kept)}
+        parents = tuple(-1 if node == 0 else new_index[self.tree.parents[node]] for node in kept)
+        tokens = tuple(self.tree.tokens[node] for node in kept)
+        probs = None if self.draft_probs is None else self.draft_probs[kept]
+        return Draft(Tree(parents, tokens), tuple(self.scores[node] for node in kept), self.child_mode, probs)
+
 
 @dataclass(frozen=True)
 class StepResult:

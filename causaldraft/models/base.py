@@ -65,6 +65,12 @@ class Backend(Protocol):
 
     def new_cache(self, max_len: int) -> Cache: ...
 
+    def pass_room(self, length: int) -> int:
+        """How many positions (length, length + 1, ...) one pass over a cache of ``length``
+        committed entries may reach while every row computes exactly what a one-row pass at its
+        position would (the decode loop keeps draft trees within it)."""
+        ...
+
     def forward(
         self,
         tokens: torch.Tensor,  # [n] long

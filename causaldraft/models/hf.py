@@ -91,6 +91,11 @@ class HFBackend:
     def new_cache(self, max_len: int) -> HFCache:
         return HFCache(self.model, max_len)
 
+    def pass_room(self, length: int) -> int:
+        """No limit: transformers' passes are not row-invariant whatever their size (the hf
+        backend is exact in fp32 up to rounding, not bit for bit)."""
+        return self.shape.max_positions
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens)
 

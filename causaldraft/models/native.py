@@ -21,12 +21,20 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
+from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, attend_blocked, blocked_keys, pass_room
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-COMPILE_BUCKETS = (1, 4, 8, 16, 32)
-# int4/int8 kernels cost much more per extra row (measured, int4, ms per pass over 1/2/4/8/16 new
-# tokens: 10/15/20/26/42), so trees stay small: finer buckets there, none of 32.
+# Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
+# rounds differently from products of two or more rows (the kernels of 2+ rows agree row by row),
+# and computing one row as two inside a graph lets inductor fuse the copy into the norm before it,
+# which changes that norm's rounding; a padded row costs about nothing there (memory-bound).
+COMPILE_BUCKETS = (2, 4, 8, 16, 32)
+# int4/int8 kernels are row-invariant from one row up but cost much more per extra row (measured,
+# int4, ms per pass over 1/2/4/8/16 new tokens: 10/15/20/26/42), so trees stay small: finer
+# buckets there, none of 32.
 QUANTIZED_BUCKETS = (1, 2, 4, 8, 16)
+
+
 # Fused projections: one matmul instead of several over the same input (fewer, larger kernel calls;
 # measured for int4 at 1 row: q+k+v 41 us -> 23 us per layer). Rows are the parts stacked in order.
 FUSED_PROJECTIONS = {
@@ -111,21 +119,31 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """nn.Linear computing a one-row input as two rows: the one-row kernel rounds differently from
+    the kernels of two or more rows (bf16, in_features 1536: measured), which are row-invariant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return F.linear(torch.cat((x, x)), self.weight, self.bias)[:1]
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
         self.shape = shape
         hd = shape.head_dim
         self.rows = shape.part_rows("self_attn.qkv_proj")
-        self.qkv_proj = nn.Linear(shape.hidden_size, sum(self.rows), bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(shape.num_heads * hd, shape.hidden_size, bias=False)
+        self.qkv_proj = Linear(shape.hidden_size, sum(self.rows), bias=shape.qkv_bias)
+        self.o_proj = Linear(shape.num_heads * hd, shape.hidden_size, bias=False)
 
     def forward(
         self,
         x: torch.Tensor,  # [n, hidden]
         cos: torch.Tensor,  # [n, head_dim]
         sin: torch.Tensor,  # [n, head_dim]
-        mask: torch.Tensor,  # [n, span] bool over cache slots [0, span)
+        keyspec: Keys,  # a [n, span] bool mask over cache slots [0, span), or the blocked layout
         keys_buffer: torch.Tensor,  # [kvh, capacity, hd]
         values_buffer: torch.Tensor,  # [kvh, capacity, hd]
         slots: torch.Tensor,  # [n] cache slots the new entries are written to
@@ -140,11 +158,15 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin)
         keys_buffer.index_copy_(1, slots, k)
         values_buffer.index_copy_(1, slots, v)
-        span = mask.shape[1]
-        out = attend(q, keys_buffer[:, :span], values_buffer[:, :span], mask)  # [nh, n, hd]
+        if isinstance(keyspec, BlockedKeys):
+            out = attend_blocked(q, keys_buffer, values_buffer, keyspec)  # [nh, n, hd]
+        else:
+            span = keyspec.shape[1]
+            out = attend(q, keys_buffer[:, :span], values_buffer[:, :span], keyspec)  # [nh, n, hd]
         return self.o_proj(out.transpose(0, 1).reshape(n, self.shape.num_heads * hd))
 
 
+Keys = torch.Tensor | BlockedKeys  # what attention reads: a mask over slots, or the blocked layout
 SMALL_QUERY_COUNT = 4  # compiled passes of at most this many queries use the fused reduction form
 LARGE_QUERY_COUNT = 64  # passes of more queries (prefills) use torch's SDPA kernel
 
@@ -199,8 +221,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class MLP(nn.Module):
     def __init__(self, shape: LlamaShape) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.gate_up_proj = Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
+        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -228,7 +250,7 @@ class NativeLlama(nn.Module):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
         # set by compiled.compile_model: one compiled pass per bucket of new-token rows
@@ -301,7 +323,7 @@ class NativeLlama(nn.Module):
         self,
         tokens: torch.Tensor,  # [n]
         positions: torch.Tensor,  # [n]
-        mask: torch.Tensor,  # [n, span] bool
+        keyspec: Keys,  # [n, span] bool mask over slots, or the blocked layout (row-invariant)
         slots: torch.Tensor,  # [n]
         keys: list[torch.Tensor],  # per layer [kvh, capacity, hd]
         values: list[torch.Tensor],
@@ -317,7 +339,7 @@ class NativeLlama(nn.Module):
                 aux.append(x)
             layer = cast(DecoderLayer, module)
             attn_in = layer.input_layernorm(x)
-            x = x + layer.self_attn(attn_in, cos, sin, mask, keys[index], values[index], slots)
+            x = x + layer.self_attn(attn_in, cos, sin, keyspec, keys[index], values[index], slots)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if len(self.layers) in aux_layers:
             aux.append(x)
@@ -334,9 +356,14 @@ class NativeLlama(nn.Module):
 
     def new_cache(self, max_len: int) -> KVCache:
         s = self.llama_shape
-        # compiled passes write a padded bucket's rows past the real ones: room for them beyond max_len
-        capacity = max_len + max(self.buckets) if self.graphs else max_len
+        # a pass reads the key block [T, T + KEY_BLOCK + rows) and compiled passes write a padded
+        # bucket's rows past the real ones: room for both beyond max_len
+        capacity = max_len + KEY_BLOCK + max(self.buckets, default=LARGE_QUERY_COUNT)
         return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
+
+    def pass_room(self, length: int) -> int:
+        """Positions a pass over ``length`` committed entries may reach and stay row-invariant."""
+        return pass_room(length)
 
     def forward(  # type: ignore[override]
         self,
@@ -347,6 +374,9 @@ class NativeLlama(nn.Module):
         logits_rows: torch.Tensor | None = None,  # [m]
         aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
+        """Passes of up to LARGE_QUERY_COUNT rows that stay within ``pass_room`` run in the blocked,
+        row-invariant layout (each row's output bit for bit a one-row pass's); others (long
+        prefills) attend over the mask directly and run eagerly."""
         if not isinstance(cache, KVCache):
             raise TypeError("the native backend needs its own KVCache (new_cache)")
         n = tokens.shape[0]
@@ -354,13 +384,16 @@ class NativeLlama(nn.Module):
         bucket = next((size for size in self.buckets if size >= n), None) if self.graphs else None
         if bucket is not None and not set(aux_layers) <= set(self.graph_aux_layers):
             bucket = None  # features of other layers: the eager body computes them
+        layout = blocked_keys(mask, positions, cache.length, bucket or n) if n <= LARGE_QUERY_COUNT else None
         with torch.no_grad():
-            if bucket is None:
-                slots = torch.arange(cache.length, cache.length + n)
-                hidden, aux = self.body(tokens, positions, mask, slots, cache.keys, cache.values, aux_layers)
+            if bucket is None or layout is None:
+                slots = torch.arange(cache.length, cache.length + n)  # (no layout: none for any row count)
+                keyspec: Keys = mask if layout is None else layout
+                hidden, aux = self.body(tokens, positions, keyspec, slots, cache.keys, cache.values, aux_layers)
             else:
-                padded = pad_to_bucket(tokens, positions, mask, cache, bucket)
-                hidden, aux = self.graphs[bucket](self.graph_weights, *padded)
+                padded = pad_to_bucket(tokens, positions, cache.length, bucket)
+                hidden, aux = self.graphs[bucket](self.graph_weights, *padded, *layout.tensors(),
+                                                  cache.keys, cache.values)  # fmt: skip
                 hidden = hidden[:n]
                 aux = select_aux(aux[:n], self.graph_aux_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
@@ -380,24 +413,22 @@ def select_aux(aux: torch.Tensor, computed: tuple[int, ...], wanted: tuple[int, 
 
 
 def pad_to_bucket(
-    tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache, bucket: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Pad n new tokens to ``bucket`` rows (the mask to ``length + bucket`` columns).
+    tokens: torch.Tensor, positions: torch.Tensor, length: int, bucket: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad n new tokens to ``bucket`` rows: tokens, positions and the slots they write.
 
-    Padding rows write scratch entries just past the real ones (never committed) and attend to
-    slot 0 only, so no row is fully masked. The attention span (mask columns, buffer length) is
-    the one dynamic dimension of the compiled graph, so one graph per bucket serves every length.
+    Padding rows write scratch entries just past the real ones (never committed); their layout
+    (``blocked_keys(..., rows=bucket)``) sees one slot, so no row is fully masked. The head length
+    T is the one dynamic dimension of the compiled graph, so one graph per bucket serves every
+    cache length.
     """
-    n, span = mask.shape
+    n = tokens.shape[0]
     padded_tokens = torch.zeros(bucket, dtype=torch.long)
     padded_tokens[:n] = tokens
     padded_positions = torch.zeros(bucket, dtype=torch.long)
     padded_positions[:n] = positions
-    padded_mask = torch.zeros(bucket, span + bucket - n, dtype=torch.bool)  # [bucket, length + bucket]
-    padded_mask[:n, :span] = mask
-    padded_mask[n:, 0] = True
-    slots = torch.arange(cache.length, cache.length + bucket)
-    return padded_tokens, padded_positions, padded_mask, slots, cache.keys, cache.values
+    slots = torch.arange(length, length + bucket)
+    return padded_tokens, padded_positions, slots
 
 
 def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

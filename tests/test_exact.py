@@ -1,0 +1,171 @@
+"""Bit-exact passes: every row of a verify pass computes exactly what a one-row pass at its
+position computes, layer by layer, in bf16, int8 and int4, eager and compiled; so greedy
+speculative output is the same engine's plain decoding token for token in those dtypes, for every
+drafter and tree kind (docs/exactness.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from causaldraft.api import load
+from causaldraft.cache import KVCache
+from causaldraft.models.blocked import KEY_BLOCK, blocked_keys, pass_room
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
+from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.native import NativeLlama, default_aux_layers
+from tests.test_eagle3 import layer_dir
+from tests.test_heads import random_heads_dir
+
+LOW_PRECISION = ["bfloat16", "int8", "int4"]
+# prefix lengths: no head block, a pass that ends right at a block's end, one and two head blocks
+PREFIXES = [30, KEY_BLOCK - 4, KEY_BLOCK + 5, 2 * KEY_BLOCK + 2]
+PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
+    return {dtype: load_model(str(tiny_llama_dir), "native", dtype) for dtype in LOW_PRECISION}
+
+
+def backend_of(loaded: LoadedModel) -> NativeLlama:
+    assert isinstance(loaded.backend, NativeLlama)
+    return loaded.backend
+
+
+def prefilled(backend: NativeLlama, prompt: list[int]) -> KVCache:
+    cache = backend.new_cache(256)
+    n = len(prompt)
+    backend.forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
+    return cache
+
+
+def decoy_tree(chain: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain's tokens as nodes 0, 2, 4, ... of a tree whose odd nodes are decoy siblings, so
+    every chain row sees its ancestors with gaps between them: tokens, positions, mask."""
+    tokens, positions, parents = [], [], []
+    for depth, token in enumerate(chain):
+        parent = 2 * (depth - 1) if depth else -1
+        tokens += [token, (token + 7) % 250 + 3]
+        positions += [length + depth, length + depth]
+        parents += [parent, parent]
+    n = len(tokens)
+    mask = torch.zeros(n, length + n, dtype=torch.bool)
+    mask[:, :length] = True
+    for node in range(n):
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, length + ancestor] = True
+            ancestor = parents[ancestor]
+    return torch.tensor(tokens), torch.tensor(positions), mask
+
+
+def assert_rows_match_one_row_passes(backend: NativeLlama, prefix: int, layers: tuple[int, ...]) -> None:
+    """Plain decoding of a chain one row at a time against one tree pass holding that chain among
+    decoys: every chain row's inputs of ``layers``, final hidden state and logits, bit for bit."""
+    generator = torch.Generator().manual_seed(prefix)
+    prompt = torch.randint(3, 259, (prefix,), generator=generator).tolist()
+    depth = min(6, pass_room(prefix))
+    chain = torch.randint(3, 259, (depth,), generator=generator).tolist()
+    cache = prefilled(backend, prompt)
+    plain = []
+    for index, token in enumerate(chain):
+        mask = torch.ones(1, cache.length + 1, dtype=torch.bool)
+        plain.append(backend.forward(torch.tensor([token]), torch.tensor([prefix + index]), mask, cache,
+                                     aux_layers=layers))  # fmt: skip
+    tokens, positions, mask = decoy_tree(chain, prefix)
+    tree = backend.forward(tokens, positions, mask, prefilled(backend, prompt), aux_layers=layers)
+    assert tree.aux is not None
+    hidden = backend.llama_shape.hidden_size
+    for index, one_row in enumerate(plain):
+        row = 2 * index
+        assert one_row.aux is not None
+        for position, layer in enumerate(layers):
+            columns = slice(position * hidden, (position + 1) * hidden)
+            assert torch.equal(tree.aux[row, columns], one_row.aux[0, columns]), (prefix, index, layer)
+        assert torch.equal(tree.hidden[row], one_row.hidden[0]), (prefix, index)
+        assert torch.equal(tree.logits[row], one_row.logits[0]), (prefix, index)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_eager_tree_rows_equal_one_row_passes_layer_by_layer(
+    models: dict[str, LoadedModel], dtype: str, prefix: int
+) -> None:
+    backend = backend_of(models[dtype])
+    layers = tuple(range(backend.llama_shape.num_layers + 1))  # every layer's input, and the last output
+    assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_compiled_tree_rows_equal_one_row_passes(tiny_llama_dir: Path, graph_root: Path, dtype: str) -> None:
+    """The one-row pass and the tree pass run different compiled graphs (buckets)."""
+    loaded = load_model(str(tiny_llama_dir), "native", dtype)
+    backend = backend_of(loaded)
+    layers = default_aux_layers(backend.llama_shape.num_layers)
+    buckets = (1, 16) if backend.quantized else (2, 16)
+    compile_model(backend, buckets=buckets, store=GraphStore(GraphKey.of(backend, layers), graph_root), progress=False)
+    for prefix in PREFIXES:
+        assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+def test_the_old_attention_was_not_row_invariant(models: dict[str, LoadedModel]) -> None:
+    """What the blocked layout fixes: attending over the slots with the tree's gaps in between
+    (the layout every pass used before) gives chain rows other bits than one-row passes."""
+    backend = backend_of(models["bfloat16"])
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 259, (2 * KEY_BLOCK + 2,), generator=generator).tolist()
+    chain = torch.randint(3, 259, (6,), generator=generator).tolist()
+    tokens, positions, mask = decoy_tree(chain, len(prompt))
+    with torch.no_grad():
+        cache = prefilled(backend, prompt)
+        slots = torch.arange(cache.length, cache.length + tokens.shape[0])
+        over_mask, _ = backend.body(tokens, positions, mask, slots, cache.keys, cache.values)
+        layout = blocked_keys(mask, positions, cache.length, tokens.shape[0])
+        assert layout is not None
+        blocked, _ = backend.body(tokens, positions, layout, slots, cache.keys, cache.values)
+    assert not torch.equal(over_mask[0::2], blocked[0::2])
+
+
+def test_a_pass_past_the_key_block_has_no_blocked_layout() -> None:
+    length = KEY_BLOCK - 2  # room for 2 positions
+    assert pass_room(length) == 2
+    chain = torch.ones(3, length + 3, dtype=torch.bool).tril(length)
+    assert blocked_keys(chain[:2, : length + 2], torch.arange(length, length + 2), length, 2) is not None
+    assert blocked_keys(chain, torch.arange(length, length + 3), length, 3) is None
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("drafter", ["lookup", "draft", "markov", "medusa", "eagle3"])
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+def test_greedy_speculative_output_is_plain_decoding_in_low_precision(
+    models: dict[str, LoadedModel], tmp_path: Path, dtype: str, drafter: str, tree: str
+) -> None:
+    loaded = models[dtype]
+    plain = load(loaded=loaded, drafter="none", calibrate=False)
+    options: dict[str, object] = {"draft_layers": 2}
+    if drafter in ("markov", "medusa"):
+        options["heads"] = str(random_heads_dir(loaded, drafter, tmp_path / drafter))
+    if drafter == "eagle3":
+        options["heads"] = str(layer_dir(loaded, tmp_path / drafter))
+    spec = load(loaded=loaded, drafter=drafter, tree=tree, calibrate=False, fallback=False, **options)  # type: ignore[arg-type]
+    drafted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, max_new_tokens=80).token_ids
+        result = spec.generate(prompt, max_new_tokens=80)
+        assert result.token_ids == expected, (prompt, drafter, tree)
+        drafted += sum(step.nodes - 1 for step in result.stats.steps)
+    assert drafted > 0  # it really speculated
+
+
+def test_no_draft_tree_reaches_past_the_key_block(models: dict[str, LoadedModel]) -> None:
+    """The decode loop keeps every tree within ``pass_room``: over 200 tokens the passes cross
+    block ends several times, and none is longer than the room left in its block."""
+    loaded = models["bfloat16"]
+    spec = load(loaded=loaded, drafter="lookup", tree="chain", depth=8, calibrate=False, fallback=False)
+    result = spec.generate(PROMPTS[2] * 4, max_new_tokens=200)
+    plain = load(loaded=loaded, drafter="none", calibrate=False)
+    assert result.token_ids == plain.generate(PROMPTS[2] * 4, max_new_tokens=200).token_ids
+    assert max(step.nodes for step in result.stats.steps) > 2

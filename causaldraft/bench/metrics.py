@@ -68,7 +68,7 @@ def ratio(value: float, baseline: float | None) -> float | None:
 
 
 def metrics(records: list[TurnRecord], hf: Totals | None, ar: Totals | None, ar_records: list[TurnRecord] | None,
-            greedy: bool) -> dict[str, object]:  # fmt: skip
+            comparable: bool) -> dict[str, object]:  # fmt: skip
     total = totals(records)
     steps = [step for record in records for step in record.output.steps]
     per_step = 1000 / max(1, len(steps))
@@ -79,7 +79,7 @@ def metrics(records: list[TurnRecord], hf: Totals | None, ar: Totals | None, ar_
         "mean_accepted": round(total.mean_accepted, 4),
         "speedup_vs_hf": ratio(total.tokens_per_s, hf.tokens_per_s if hf else None),
         "speedup_vs_ar": ratio(total.tokens_per_s, ar.tokens_per_s if ar else None),
-        "exact_match_vs_ar": exact_match(records, ar_records) if greedy and ar_records is not None else None,
+        "exact_match_vs_ar": exact_match(records, ar_records) if comparable and ar_records is not None else None,
         "new_tokens": total.new_tokens,
         "wall_s": round(total.wall_s, 6),
         "target_forwards": total.target_forwards,
@@ -88,7 +88,7 @@ def metrics(records: list[TurnRecord], hf: Totals | None, ar: Totals | None, ar_
 
 
 def summarize(methods: list[str], records: list[TurnRecord], errors: dict[str, str],
-              greedy: bool) -> dict[str, dict[str, object]]:  # fmt: skip
+              comparable: bool) -> dict[str, dict[str, object]]:  # fmt: skip
     """results.json "methods": keyed by method string in the given order; failed ones carry "error"."""
     by_method = {name: [r for r in records if r.method == name] for name in methods if name not in errors}
     categories = sorted({record.category for record in records})
@@ -108,14 +108,14 @@ def summarize(methods: list[str], records: list[TurnRecord], errors: dict[str, s
             summary[name] = {"error": errors[name]}
             continue
         own = by_method[name]
-        entry = metrics(own, reference_totals("hf", None), reference_totals("ar", None), reference("ar", None), greedy)
+        entry = metrics(own, reference_totals("hf", None), reference_totals("ar", None), reference("ar", None), comparable)
         entry["by_category"] = {
             category: metrics(
                 [r for r in own if r.category == category],
                 reference_totals("hf", category),
                 reference_totals("ar", category),
                 reference("ar", category),
-                greedy,
+                comparable,
             )  # fmt: skip
             for category in categories
         }

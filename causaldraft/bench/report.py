@@ -22,6 +22,16 @@ COLUMNS = ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar", "e
            "draft_ms_per_step", "verify_ms_per_step", "new_tokens", "turns")  # fmt: skip
 
 
+EXACTNESS = (
+    "Every lossless causaldraft method should show exact match 1.0 in every dtype but float32: the native "
+    "backend's passes are row-invariant in bfloat16, int8 and int4 (each row of a verify pass is computed bit for "
+    "bit as a one-row pass at its position, docs/exactness.md), so speculative output is plain decoding's token "
+    "for token. Below 1.0 means a defect, except for `hf` and `llamacpp` (other implementations, other rounding), "
+    "the naive acceptance rule (lossy by design), `--backend hf` and float32 (whose matrix kernels round "
+    "differently per row count: equal up to rounding, not bit for bit)."
+)
+
+
 def command_line(config: BenchConfig) -> str:
     """The causaldraft bench invocation that reproduces this configuration."""
     parts = ["causaldraft", "bench", "--prompts", config.prompts, "--methods", ",".join(config.methods)]
@@ -138,7 +148,8 @@ def render_report(results: dict[str, object], plots: list[str], sweep: dict[str,
              f"temperature {config['temperature']}, {config['max_new_tokens']} new tokens max, dtype "
              f"{config['dtype']}, backend {config['backend']}. tokens/s = new tokens / wall time (prefill "
              "included); mean accepted = new tokens per target forward; exact match = share of turns whose "
-             "tokens equal `ar`'s.", "", "## All categories", ""]  # fmt: skip
+             "tokens equal `ar`'s (greedy, or seeded Gumbel sampling: the same seed per turn for every method).",
+             "", EXACTNESS, "", "## All categories", ""]  # fmt: skip
     lines += table(ok, "method")
     failed = [(name, entry["error"]) for name, entry in methods.items() if "error" in entry]
     if failed:
@@ -167,8 +178,9 @@ def write_outputs(run: BenchRun, out_dir: str | Path) -> dict[str, object]:
     """Write every artefact of a run into ``out_dir``; returns the results.json payload."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    greedy = run.config.temperature == 0
-    summary = summarize(list(run.config.methods), run.records, run.errors, greedy)
+    # greedy and Gumbel-sampled outputs are functions of the model (and the seed) alone: comparable to ar's
+    comparable = run.config.temperature == 0 or run.config.engine.sampler == "gumbel"
+    summary = summarize(list(run.config.methods), run.records, run.errors, comparable)
     results: dict[str, object] = {"config": config_record(run), "methods": summary}
     if run.profile:
         results["profile"] = {name: {str(b): values for b, values in per.items()} for name, per in run.profile.items()}

@@ -227,7 +227,7 @@ class GraphStore:
         with tempfile.TemporaryDirectory(dir=self.directory) as work:
             scratch = Path(work) / f"bucket-{bucket}.pt2"
             torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(scratch), inductor_configs={"freezing": False, "cpp.threads": 1}
+                exported, package_path=str(scratch), inductor_configs={"freezing": False, "cpp.threads": 1, "emulate_precision_casts": True}
             )
             scratch.replace(self.package(bucket))
         self.builds += 1

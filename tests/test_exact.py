@@ -169,3 +169,44 @@ def test_no_draft_tree_reaches_past_the_key_block(models: dict[str, LoadedModel]
     plain = load(loaded=loaded, drafter="none", calibrate=False)
     assert result.token_ids == plain.generate(PROMPTS[2] * 4, max_new_tokens=200).token_ids
     assert max(step.nodes for step in result.stats.steps) > 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_default_model_tree_rows_equal_one_row_passes_layer_by_layer(dtype: str) -> None:
+    backend = backend_of(load_model("default", "native", dtype))
+    layers = tuple(range(backend.llama_shape.num_layers + 1))
+    for prefix in PREFIXES:
+        assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.fixture(scope="module")
+def default_int4_compiled() -> LoadedModel:
+    """The default model as a new user gets it: int4 through the compiled graphs `make setup` built."""
+    from causaldraft.api import compile_backend
+
+    loaded = load_model("default", "native", "int4")
+    assert compile_backend(loaded, progress=False)
+    return loaded
+
+
+@pytest.mark.slow
+def test_default_model_compiled_tree_rows_equal_one_row_passes(default_int4_compiled: LoadedModel) -> None:
+    backend = backend_of(default_int4_compiled)
+    for prefix in PREFIXES:
+        assert_rows_match_one_row_passes(backend, prefix, backend.graph_aux_layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["lookup", "markov", "eagle3"])
+def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
+    default_int4_compiled: LoadedModel, drafter: str
+) -> None:
+    """The README's first command's setting (int4, compiled, measured cost model): token-identical."""
+    plain = load(loaded=default_int4_compiled, drafter="none")
+    spec = load(loaded=default_int4_compiled, drafter=drafter, tree="dynamic")
+    prompts = ["Write a limerick about a cat who learns to code.", "List three uses of a paperclip, briefly.",
+               "Explain why the sky is blue in two sentences."]  # fmt: skip
+    for prompt in prompts:
+        expected = plain.generate(prompt, chat=True, max_new_tokens=96).token_ids
+        assert spec.generate(prompt, chat=True, max_new_tokens=96).token_ids == expected, (drafter, prompt)

@@ -106,19 +106,19 @@ def attend_blocked(
     head = layout.head
     width = KEY_BLOCK + n  # tail slots [T, T + width) hold every tail position of every row
     grouped = at_least_two_rows(q.reshape(kv_heads, group * n, hd))  # [kvh, max(2, g*n), hd]
-    by_slot = torch.matmul(grouped, keys[:, head : head + width].transpose(1, 2))[:, : group * n].float()
-    by_slot = by_slot.view(kv_heads, group, n, width)  # [kvh, g, n, W]
+    by_slot = torch.matmul(grouped, keys[:, : head + width].transpose(1, 2))[:, : group * n].float()
+    by_slot = by_slot.view(kv_heads, group, n, head + width)  # [kvh, g, n, T + W] over slots [0, T + W)
     to_slot = layout.tail_slots.view(1, 1, n, KEY_BLOCK).expand(kv_heads, group, n, KEY_BLOCK)
-    tail_scores = by_slot.gather(3, to_slot)  # [kvh, g, n, B] by position
-    head_scores = torch.matmul(grouped, keys[:, :head].transpose(1, 2))[:, : group * n].float()  # [kvh, g*n, T]
-    scores = torch.cat((head_scores.view(kv_heads, group, n, head), tail_scores), dim=-1) * hd**-0.5
+    tail_scores = by_slot[..., head:].gather(3, to_slot)  # [kvh, g, n, B] by position
+    scores = torch.cat((by_slot[..., :head], tail_scores), dim=-1) * hd**-0.5
     weights = torch.softmax(scores.masked_fill(~layout.seen, float("-inf")), dim=-1)  # [kvh, g, n, T + B]
-    tail_values = values[:, head + layout.tail_slots].float()  # [kvh, n, B, hd] by position
-    out = (weights[..., head:].unsqueeze(-1) * tail_values.unsqueeze(1)).sum(-2)  # [kvh, g, n, hd]
+    tail_values = values[:, head + layout.tail_slots]  # [kvh, n, B, hd] by position
+    tail_weights = at_least_two_rows(weights[..., head:].transpose(1, 2).to(values.dtype))  # [kvh, n, max(2, g), B]
+    tail_out = torch.matmul(tail_weights, tail_values)[:, :, :group].transpose(1, 2)  # [kvh, g, n, hd]
     head_weights = at_least_two_rows(weights[..., :head].to(values.dtype).reshape(kv_heads, group * n, head))
     head_out = torch.matmul(head_weights, values[:, :head])[:, : group * n]  # [kvh, g*n, hd]
-    out = out + head_out.view(kv_heads, group, n, hd).float()
-    return out.to(q.dtype).view(heads, n, hd)
+    out = tail_out.float() + head_out.view(kv_heads, group, n, hd).float()
+    return out.to(q.dtype).reshape(heads, n, hd)
 
 
 def at_least_two_rows(x: torch.Tensor) -> torch.Tensor:

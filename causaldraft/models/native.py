@@ -167,7 +167,6 @@ class Attention(nn.Module):
 
 
 Keys = torch.Tensor | BlockedKeys  # what attention reads: a mask over slots, or the blocked layout
-SMALL_QUERY_COUNT = 4  # compiled passes of at most this many queries use the fused reduction form
 LARGE_QUERY_COUNT = 64  # passes of more queries (prefills) use torch's SDPA kernel
 
 
@@ -179,13 +178,10 @@ def attend(
 ) -> torch.Tensor:
     """Grouped-query attention of n queries over ``span`` cache slots: [nh, n, hd] (scores fp32).
 
-    torch's CPU SDPA kernel is slow for the few queries of a decode or verify pass (measured,
-    bf16, 1 query over 400 slots: 244 us per layer inside the compiled model), so its formulation
-    depends on n:
-    - compiled, n <= 4: products and sums that inductor fuses into a couple of loops reading the
-      cache once (1 query over 400 slots: ~45 us);
-    - n <= 64: two batched matmuls per kv head group and a softmax (~125 us);
-    - longer passes (prefills): SDPA, which never materialises the [n, span] scores.
+    The passes the decode loop runs use the row-invariant ``blocked.attend_blocked``; this serves
+    the passes without a blocked layout (a long prefill: SDPA, which never materialises the
+    [n, span] scores; a pass crossing a key block: two batched matmuls per kv head group) and the
+    eagle3 draft layer.
     """
     heads, n, hd = q.shape
     kv_heads, span, _ = keys.shape
@@ -195,18 +191,10 @@ def attend(
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
         )
         return out[0]
-    fused = n <= SMALL_QUERY_COUNT and torch.compiler.is_compiling()
-    if fused:
-        grouped = q.view(kv_heads, group, n, 1, hd).float()
-        scores = (grouped * keys.view(kv_heads, 1, 1, span, hd).float()).sum(-1)  # [kvh, g, n, span]
-    else:
-        scores = torch.matmul(q.reshape(kv_heads, group * n, hd), keys.transpose(1, 2))  # [kvh, g*n, span]
-        scores = scores.float().view(kv_heads, group, n, span)
+    scores = torch.matmul(q.reshape(kv_heads, group * n, hd), keys.transpose(1, 2))  # [kvh, g*n, span]
+    scores = scores.float().view(kv_heads, group, n, span)
     scores = (scores * hd**-0.5).masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # [kvh, g, n, span] fp32
-    if fused:
-        out = (weights.unsqueeze(-1) * values.view(kv_heads, 1, 1, span, hd).float()).sum(-2)
-        return out.to(q.dtype).view(heads, n, hd)
     weights = weights.to(values.dtype).view(kv_heads, group * n, span)
     return torch.matmul(weights, values).view(heads, n, hd)
 

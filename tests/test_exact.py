@@ -210,3 +210,16 @@ def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
     for prompt in prompts:
         expected = plain.generate(prompt, chat=True, max_new_tokens=96).token_ids
         assert spec.generate(prompt, chat=True, max_new_tokens=96).token_ids == expected, (drafter, prompt)
+
+
+def test_within_depth_keeps_a_tree_of_the_shallow_nodes() -> None:
+    from causaldraft.drafters.base import Draft
+    from causaldraft.tree import Tree
+
+    probs = torch.eye(4)
+    draft = Draft(Tree((-1, 0, 1, 0), (10, 11, 12, 13)), (1.0, 0.5, 0.25, 0.4), "sampled", probs)
+    cut = draft.within_depth(1)
+    assert cut.tree == Tree((-1, 0, 0), (10, 11, 13))
+    assert cut.scores == (1.0, 0.5, 0.4)
+    assert cut.draft_probs is not None and torch.equal(cut.draft_probs, probs[[0, 1, 3]])
+    assert draft.within_depth(2) is draft

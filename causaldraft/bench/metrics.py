@@ -108,7 +108,8 @@ def summarize(methods: list[str], records: list[TurnRecord], errors: dict[str, s
             summary[name] = {"error": errors[name]}
             continue
         own = by_method[name]
-        entry = metrics(own, reference_totals("hf", None), reference_totals("ar", None), reference("ar", None), comparable)
+        hf, ar = reference_totals("hf", None), reference_totals("ar", None)
+        entry = metrics(own, hf, ar, reference("ar", None), comparable)
         entry["by_category"] = {
             category: metrics(
                 [r for r in own if r.category == category],

@@ -15,6 +15,7 @@ with a message. The verify-cost calibration measured with a set of graphs is kep
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
@@ -39,6 +40,11 @@ from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, Native
 from causaldraft.paths import causaldraft_home
 
 COMPILED_FORMAT = 2
+# Every graph rounds each intermediate to its dtype as eager code does, and runs its own kernels
+# on one thread: without the first, fusions that differ between buckets change the rounding;
+# without the second, a one-row graph may split its reductions across threads. So each bucket
+# computes the same bits per row (docs/exactness.md).
+INDUCTOR_OPTIONS = {"freezing": False, "cpp.threads": 1, "emulate_precision_casts": True}
 SECONDS_PER_BUCKET = 75.0  # first-build estimate per bucket for the default model on 2 cores
 Runner = Callable[..., Any]
 
@@ -63,10 +69,11 @@ def architecture_digest(model: NativeLlama) -> str:
 
 
 def code_digest() -> str:
-    """The source of the modules whose code the graph is traced from."""
+    """The code of the modules the graph is traced from: their syntax trees, so formatting and
+    comments do not count."""
     digest = hashlib.sha256()
     for module in (native, blocked, quant, sys.modules[__name__]):
-        digest.update(inspect.getsource(module).encode())
+        digest.update(ast.dump(ast.parse(inspect.getsource(module))).encode())
     return digest.hexdigest()[:16]
 
 
@@ -168,8 +175,10 @@ class _Bound(torch.nn.Module):
         self.model = model
         self.aux_layers = aux_layers
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                layout: tuple[torch.Tensor, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> Any:  # fmt: skip
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+        layout: tuple[torch.Tensor, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
+    ) -> Any:  # fmt: skip
         return self.model.body(tokens, positions, BlockedKeys(*layout), slots, keys, values, self.aux_layers)
 
 
@@ -227,7 +236,7 @@ class GraphStore:
         with tempfile.TemporaryDirectory(dir=self.directory) as work:
             scratch = Path(work) / f"bucket-{bucket}.pt2"
             torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(scratch), inductor_configs={"freezing": False, "cpp.threads": 1, "emulate_precision_casts": True}
+                exported, package_path=str(scratch), inductor_configs=dict(INDUCTOR_OPTIONS)
             )
             scratch.replace(self.package(bucket))
         self.builds += 1

@@ -79,6 +79,21 @@ class VerifyCost:
         self.seconds[key] = COST_KEEP * previous + (1 - COST_KEEP) * seconds
 
 
+CALIBRATION_SLACK = 0.8  # a kept pass over more rows may cost no less than this share of one over fewer
+
+
+def plausible_calibration(seconds: dict[int, float]) -> bool:
+    """Whether kept verify timings can be trusted: a pass over more rows never costs much less than
+    one over fewer. A calibration timed while another process ran breaks that (seen: 2 rows at
+    139 ms, 4 rows at 34 ms), and it would starve every later run of draft trees.
+
+    Example: {1: 0.010, 2: 0.012, 4: 0.011} is plausible (0.011 >= 0.8 * 0.012); {2: 0.139, 4: 0.034}
+    is not."""
+    sizes = sorted(seconds)
+    pairs = zip(sizes, sizes[1:], strict=False)
+    return all(seconds[larger] >= CALIBRATION_SLACK * seconds[smaller] for smaller, larger in pairs)
+
+
 def measure_verify_cost(
     backend: Backend, max_nodes: int, context: int = 128, repeats: int = 2, aux_layers: tuple[int, ...] = ()
 ) -> VerifyCost:

@@ -9,7 +9,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from causaldraft.adapt import AdaptState, BudgetPolicy, VerifyCost, initial_adapt_state, measure_verify_cost
+from causaldraft.adapt import (
+    AdaptState,
+    BudgetPolicy,
+    VerifyCost,
+    initial_adapt_state,
+    measure_verify_cost,
+    plausible_calibration,
+)
 from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
 from causaldraft.decode import Decoder, GenerationStats, decode_steps, prefill
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
@@ -218,7 +225,7 @@ def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], r
     name = f"max_nodes={max_nodes} aux_layers={list(aux_layers)}"
     if store is not None and not remeasure:
         seconds = store.read_calibration(name)
-        if seconds:
+        if seconds and plausible_calibration(seconds):
             return VerifyCost(seconds, buckets=backend.buckets)
     cost = measure_verify_cost(backend, max_nodes, aux_layers=aux_layers)
     if store is not None:

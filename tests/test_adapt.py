@@ -107,3 +107,11 @@ def test_the_budget_policy_sizes_prunes_observes_and_falls_back_on_its_own() -> 
     untimed = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree, timed=False))
     draft = chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01])
     assert untimed.prune(draft) is draft  # reproducible runs never size drafts from the clock
+
+
+def test_kept_calibrations_that_fall_with_more_rows_are_not_trusted() -> None:
+    from causaldraft.adapt import plausible_calibration
+
+    assert plausible_calibration({1: 0.010, 2: 0.012, 4: 0.011, 8: 0.020})
+    assert not plausible_calibration({1: 0.025, 2: 0.139, 4: 0.034, 8: 0.062})
+    assert plausible_calibration({})

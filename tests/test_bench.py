@@ -130,8 +130,9 @@ def test_cli_sampling_and_profile(tiny_llama_dir: Path, tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["categories"] == ["math"] and results["config"]["questions"] == 1
     for entry in results["methods"].values():
-        assert entry["exact_match_vs_ar"] is None  # only defined at temperature 0
+        assert entry["exact_match_vs_ar"] is not None  # seeded Gumbel sampling: the same seed per turn for all
         assert set(entry["by_category"]) == {"math"}
+    assert results["methods"]["lookup"]["exact_match_vs_ar"] == 1.0  # a function of the seed and the model
     assert set(results["profile"]) == {"lookup"}
     assert set(results["profile"]["lookup"]) == {"4", "8"}
     assert (out / "tokens_per_s_by_budget.png").is_file()

@@ -7,14 +7,15 @@ every row), and a **tail**, the rest of that block. A pass may only reach positi
 one block (``pass_room``), so a row's split point depends on its own position alone, not on the
 pass. Then, for every row:
 
-- scores: one matmul per part over cache slots (a product over ``head_dim``, the same for any
+- scores: one matmul over the head and tail slots (a product over ``head_dim``, the same for any
   number of rows), the tail's then read in position order (``tail_slots``);
 - softmax over [head scores, tail scores by position]: the row sees exactly the layout a one-row
   pass at its position sees (T head columns, then ``KEY_BLOCK`` tail columns, the unseen ones
   masked at the end), so the vectorised reductions add the same numbers in the same lanes;
 - output: the head's weights times the head's values (one matmul, as above), plus the tail's
-  weights times the tail's values gathered in position order (a sum over ``KEY_BLOCK``
-  positions, unseen ones adding exact zeros at the end), so a tree's siblings change nothing.
+  weights times the tail's values gathered in position order (one small product per row over
+  ``KEY_BLOCK`` positions, unseen ones adding exact zeros at the end), so a tree's siblings change
+  nothing.
 
 Worked example (KEY_BLOCK = 4 for brevity): committed length L = 6, so T = 4 and the tail block is
 positions 4..7. Tree nodes at slots 6, 7, 8: root (position 6), two children (position 7). Row 2

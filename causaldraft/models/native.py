@@ -21,7 +21,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
-from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, attend_blocked, blocked_keys, pass_room
+from causaldraft.models.blocked import (
+    KEY_BLOCK,
+    BlockedKeys,
+    at_least_two_rows,
+    attend_blocked,
+    blocked_keys,
+    pass_room,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
@@ -124,9 +131,9 @@ class Linear(nn.Linear):
     the kernels of two or more rows (bf16, in_features 1536: measured), which are row-invariant."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
-            return F.linear(torch.cat((x, x)), self.weight, self.bias)[:1]
-        return F.linear(x, self.weight, self.bias)
+        if x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(at_least_two_rows(x), self.weight, self.bias)[: x.shape[0]]
 
 
 class Attention(nn.Module):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from causaldraft.errors import CausalDraftError
@@ -118,6 +119,10 @@ def test_missing_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path)
     broken = tmp_path / "noweights"
     shutil.copytree(tiny_llama_dir, broken)
     (broken / "model.safetensors").unlink()
+    with pytest.raises(CausalDraftError, match="safetensors"):
+        load_model(str(broken), dtype="float32")
+    # a quantized cache left beside the checkpoint is not mistaken for its weights
+    save_file({"layers.0.qkv.nibbles": torch.zeros(2, dtype=torch.uint8)}, str(broken / "quant-int4.safetensors"))
     with pytest.raises(CausalDraftError, match="safetensors"):
         load_model(str(broken), dtype="float32")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KEY_BLOCK = 64  # positions per key block; a multiple of every vector width the reductions use
@@ -76,22 +77,23 @@ def blocked_keys(mask: torch.Tensor, positions: torch.Tensor, length: int, rows:
     """
     n, span = mask.shape
     head = head_length(length)
-    if span != length + n or not bool(mask[:, :length].all()):
+    visible = mask.numpy()  # host arrays: a pass's layout costs a few numpy calls, not torch kernels
+    if span != length + n or not visible[:, :length].all():
         return None
-    tail = torch.zeros(rows, KEY_BLOCK + rows, dtype=torch.bool)  # [rows, slots T..]
-    tail[:n, : span - head] = mask[:, head:]
+    tail = np.zeros((rows, KEY_BLOCK + rows), dtype=bool)  # [rows, slots T..]
+    tail[:n, : span - head] = visible[:, head:]
     tail[n:, 0] = True
-    counts = tail.sum(dim=1)  # [rows] positions each row sees in the tail
-    expected = torch.cat((positions - head + 1, torch.ones(rows - n, dtype=torch.long)))
-    if bool((counts > KEY_BLOCK).any()) or not torch.equal(counts, expected):
+    counts = tail.sum(axis=1)  # [rows] positions each row sees in the tail
+    expected = np.ones(rows, dtype=np.int64)
+    expected[:n] = positions.numpy() - head + 1
+    if (counts > KEY_BLOCK).any() or not np.array_equal(counts, expected):
         return None
-    tail_slots = torch.zeros(rows, KEY_BLOCK, dtype=torch.long)
-    row_index, slot_index = tail.nonzero(as_tuple=True)  # row-major: each row's slots in order
-    tail_position = tail.cumsum(dim=1)[row_index, slot_index] - 1
-    tail_slots[row_index, tail_position] = slot_index
-    seen = torch.cat((torch.ones(rows, head, dtype=torch.bool),
-                      torch.arange(KEY_BLOCK)[None, :] < counts[:, None]), dim=1)  # fmt: skip
-    return BlockedKeys(seen, tail_slots)
+    tail_slots = np.zeros((rows, KEY_BLOCK), dtype=np.int64)
+    row_index, slot_index = tail.nonzero()  # row-major: each row's slots in order
+    tail_slots[row_index, tail.cumsum(axis=1)[row_index, slot_index] - 1] = slot_index
+    seen = np.ones((rows, head + KEY_BLOCK), dtype=bool)
+    seen[:, head:] = np.arange(KEY_BLOCK)[None, :] < counts[:, None]
+    return BlockedKeys(torch.from_numpy(seen), torch.from_numpy(tail_slots))
 
 
 def attend_blocked(
@@ -107,7 +109,9 @@ def attend_blocked(
     head = layout.head
     width = KEY_BLOCK + n  # tail slots [T, T + width) hold every tail position of every row
     grouped = at_least_two_rows(q.reshape(kv_heads, group * n, hd))  # [kvh, max(2, g*n), hd]
-    by_slot = torch.matmul(grouped, keys[:, : head + width].transpose(1, 2))[:, : group * n].float()
+    # the cache slices are copied to dense tensors first: the batched product copies a strided
+    # operand itself, at twice the cost (measured: a third of a 1-row int4 pass's attention time)
+    by_slot = torch.matmul(grouped, keys[:, : head + width].contiguous().transpose(1, 2))[:, : group * n].float()
     by_slot = by_slot.view(kv_heads, group, n, head + width)  # [kvh, g, n, T + W] over slots [0, T + W)
     to_slot = layout.tail_slots.view(1, 1, n, KEY_BLOCK).expand(kv_heads, group, n, KEY_BLOCK)
     tail_scores = by_slot[..., head:].gather(3, to_slot)  # [kvh, g, n, B] by position
@@ -117,7 +121,7 @@ def attend_blocked(
     tail_weights = at_least_two_rows(weights[..., head:].transpose(1, 2).to(values.dtype))  # [kvh, n, max(2, g), B]
     tail_out = torch.matmul(tail_weights, tail_values)[:, :, :group].transpose(1, 2)  # [kvh, g, n, hd]
     head_weights = at_least_two_rows(weights[..., :head].to(values.dtype).reshape(kv_heads, group * n, head))
-    head_out = torch.matmul(head_weights, values[:, :head])[:, : group * n]  # [kvh, g*n, hd]
+    head_out = torch.matmul(head_weights, values[:, :head].contiguous())[:, : group * n]  # [kvh, g*n, hd]
     out = tail_out.float() + head_out.view(kv_heads, group, n, hd).float()
     return out.to(q.dtype).reshape(heads, n, hd)
 

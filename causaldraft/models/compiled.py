@@ -143,9 +143,11 @@ def compile_model(
     buckets = tuple(sorted(buckets))
     aux_layers = default_aux_layers(model.llama_shape.num_layers)
     store = store or GraphStore(GraphKey.of(model, aux_layers))
-    model.graphs = store.load_or_build(model, buckets, progress)
+    weights = weights_of(model)
+    packages = store.load_or_build(model, buckets, progress)
+    model.graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
+                    for bucket, package in packages.items()}  # fmt: skip
     model.graph_store = store
-    model.graph_weights = weights_of(model)
     model.buckets = buckets
     model.graph_aux_layers = aux_layers
 
@@ -159,6 +161,39 @@ def compiler_available() -> str | None:
     except Exception as error:  # raises when no C++ compiler is found
         return f"no C++ compiler for torch's inductor ({error})"
     return None
+
+
+class BoundGraph:
+    """A loaded package with the model's weights bound, called with the body's per-pass tensors.
+
+    The package's own call re-parses its input spec and walks every weight through ``pytree`` on
+    each call (0.7 ms of a 12 ms int4 step, measured); here the flat weights are kept once and the
+    per-pass tensors are appended in the export's order (weights by name, tokens, positions,
+    slots, seen, tail_slots, each layer's keys, each layer's values), which is checked against
+    the package's spec when bound.
+    """
+
+    def __init__(self, package: Any, weights: dict[str, torch.Tensor], num_layers: int) -> None:
+        from torch.utils import _pytree as pytree
+
+        self.loader = package.loader
+        in_spec, out_spec = (pytree.treespec_loads(spec) for spec in self.loader.get_call_spec())
+        tensor = torch.empty(0)
+        caches = [tensor] * num_layers
+        expected = pytree.tree_structure(((weights, *[tensor] * 5, caches, caches), {}))
+        if in_spec != expected:
+            raise CausalDraftError("a compiled graph's inputs differ from the model's; delete its directory to rebuild")
+        self.weights = list(weights.values())
+        self.out_spec = out_spec
+        self.unflatten = pytree.tree_unflatten
+
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seen: torch.Tensor,
+        tail_slots: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        flat = [*self.weights, tokens, positions, slots, seen, tail_slots, *keys, *values]
+        hidden, aux = self.unflatten(self.loader.boxed_run(flat), self.out_spec)
+        return hidden, aux
 
 
 class _Body(torch.nn.Module):

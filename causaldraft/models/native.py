@@ -198,6 +198,7 @@ def attend(
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
         )
         return out[0]
+    keys, values = keys.contiguous(), values.contiguous()  # dense operands: see blocked.attend_blocked
     scores = torch.matmul(q.reshape(kv_heads, group * n, hd), keys.transpose(1, 2))  # [kvh, g*n, span]
     scores = scores.float().view(kv_heads, group, n, span)
     scores = (scores * hd**-0.5).masked_fill(~mask, float("-inf"))
@@ -251,7 +252,6 @@ class NativeLlama(nn.Module):
         # set by compiled.compile_model: one compiled pass per bucket of new-token rows
         self.graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.graph_store: CalibrationStore | None = None
-        self.graph_weights: dict[str, torch.Tensor] = {}
         self.buckets: tuple[int, ...] = ()
         # compiled graphs always return these layers' inputs (one graph per bucket serves plain
         # passes and feature drafters alike); a request outside them runs the eager body
@@ -270,7 +270,7 @@ class NativeLlama(nn.Module):
         with torch.device("meta"):
             model = cls(shape, torch.empty(0), scaling)
         state = read_safetensors(model_dir)
-        if shape.tie_embeddings or "lm_head.weight" not in state:
+        if (shape.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         renamed = fuse_projections({name.removeprefix("model."): tensor for name, tensor in state.items()})
         expected = set(model.state_dict())
@@ -387,8 +387,7 @@ class NativeLlama(nn.Module):
                 hidden, aux = self.body(tokens, positions, keyspec, slots, cache.keys, cache.values, aux_layers)
             else:
                 padded = pad_to_bucket(tokens, positions, cache.length, bucket)
-                hidden, aux = self.graphs[bucket](self.graph_weights, *padded, *layout.tensors(),
-                                                  cache.keys, cache.values)  # fmt: skip
+                hidden, aux = self.graphs[bucket](*padded, *layout.tensors(), cache.keys, cache.values)
                 hidden = hidden[:n]
                 aux = select_aux(aux[:n], self.graph_aux_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
@@ -446,8 +445,16 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return fused
 
 
+QUANT_CACHE_PREFIX = "quant-"  # quantized weights cached beside a checkpoint (models/quant_load.py)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's own ``*.safetensors`` files (not the quantized caches kept beside them)."""
+    return [path for path in sorted(model_dir.glob("*.safetensors")) if not path.name.startswith(QUANT_CACHE_PREFIX)]
+
+
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = checkpoint_files(model_dir)
     if not files:
         raise CausalDraftError(f"no *.safetensors weights in {model_dir}")
     state: dict[str, torch.Tensor] = {}

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.gguf_q4 import read_q4_1_weights
-from causaldraft.models.native import NativeLlama
+from causaldraft.models.native import QUANT_CACHE_PREFIX, NativeLlama, checkpoint_files
 from causaldraft.models.quant import (
     ACTIVATION_DTYPE,
     CACHE_FORMAT,
@@ -45,8 +45,7 @@ from causaldraft.paths import causaldraft_home
 def source_key(model_dir: Path, dtype: str, gguf_path: Path | None) -> str:
     """Invalidates the cache when the weights, the GGUF source or the format change."""
     digest = hashlib.sha256(f"{CACHE_FORMAT}:{dtype}:{GROUP_SIZE}".encode())
-    sources = sorted(model_dir.glob("*.safetensors"))
-    sources = [path for path in sources if not path.name.startswith("quant-")]
+    sources = checkpoint_files(model_dir)
     if gguf_path is not None:
         sources.append(gguf_path)
     for path in sources:
@@ -56,7 +55,7 @@ def source_key(model_dir: Path, dtype: str, gguf_path: Path | None) -> str:
 
 
 def cache_path(model_dir: Path, dtype: str) -> Path:
-    beside = model_dir / f"quant-{dtype}.safetensors"
+    beside = model_dir / f"{QUANT_CACHE_PREFIX}{dtype}.safetensors"
     if os.access(model_dir, os.W_OK):
         return beside
     key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:12]

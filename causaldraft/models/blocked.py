@@ -11,7 +11,10 @@ pass. Then, for every row:
   number of rows), the tail's then read in position order (``tail_slots``);
 - softmax over [head scores, tail scores by position]: the row sees exactly the layout a one-row
   pass at its position sees (T head columns, then ``KEY_BLOCK`` tail columns, the unseen ones
-  masked at the end), so the vectorised reductions add the same numbers in the same lanes;
+  masked at the end), so the vectorised reductions add the same numbers in the same lanes. It is
+  written in parts (one max over both, then the head's and the tail's exponentials and sums
+  separately): the gather stays out of the big head kernel, which graphs then vectorise (a
+  16-row bf16 pass: that kernel 146 -> 70 us per layer, measured);
 - output: the head's weights times the head's values (one matmul, as above), plus the tail's
   weights times the tail's values gathered in position order (one small product per row over
   ``KEY_BLOCK`` positions, unseen ones adding exact zeros at the end), so a tree's siblings change
@@ -114,13 +117,17 @@ def attend_blocked(
     by_slot = torch.matmul(grouped, keys[:, : head + width].contiguous().transpose(1, 2))[:, : group * n].float()
     by_slot = by_slot.view(kv_heads, group, n, head + width)  # [kvh, g, n, T + W] over slots [0, T + W)
     to_slot = layout.tail_slots.view(1, 1, n, KEY_BLOCK).expand(kv_heads, group, n, KEY_BLOCK)
-    tail_scores = by_slot[..., head:].gather(3, to_slot)  # [kvh, g, n, B] by position
-    scores = torch.cat((by_slot[..., :head], tail_scores), dim=-1) * hd**-0.5
-    weights = torch.softmax(scores.masked_fill(~layout.seen, float("-inf")), dim=-1)  # [kvh, g, n, T + B]
+    scale = hd**-0.5
+    head_scores = by_slot[..., :head] * scale  # [kvh, g, n, T]
+    tail_scores = by_slot[..., head:].gather(3, to_slot) * scale  # [kvh, g, n, B] by position
+    tail_scores = tail_scores.masked_fill(~layout.seen[:, head:], float("-inf"))
+    top = torch.cat((head_scores, tail_scores), dim=-1).amax(dim=-1, keepdim=True)  # [kvh, g, n, 1]
+    head_exp, tail_exp = (head_scores - top).exp(), (tail_scores - top).exp()
+    total = head_exp.sum(dim=-1, keepdim=True) + tail_exp.sum(dim=-1, keepdim=True)
     tail_values = values[:, head + layout.tail_slots]  # [kvh, n, B, hd] by position
-    tail_weights = at_least_two_rows(weights[..., head:].transpose(1, 2).to(values.dtype))  # [kvh, n, max(2, g), B]
+    tail_weights = at_least_two_rows((tail_exp / total).transpose(1, 2).to(values.dtype))  # [kvh, n, max(2, g), B]
     tail_out = torch.matmul(tail_weights, tail_values)[:, :, :group].transpose(1, 2)  # [kvh, g, n, hd]
-    head_weights = at_least_two_rows(weights[..., :head].to(values.dtype).reshape(kv_heads, group * n, head))
+    head_weights = at_least_two_rows((head_exp / total).to(values.dtype).reshape(kv_heads, group * n, head))
     head_out = torch.matmul(head_weights, values[:, :head].contiguous())[:, : group * n]  # [kvh, g*n, hd]
     out = tail_out.float() + head_out.view(kv_heads, group, n, hd).float()
     return out.to(q.dtype).reshape(heads, n, hd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 import time
@@ -18,10 +19,10 @@ from causaldraft.adapt import (
     plausible_calibration,
 )
 from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
-from causaldraft.decode import Decoder, GenerationStats, decode_steps, prefill
+from causaldraft.decode import Decoder, DecodeState, GenerationStats, decode_steps, prefill
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import Backend
+from causaldraft.models.base import Backend, Cache
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import make_generator
@@ -84,7 +85,7 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def events(
+    def start(
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
@@ -94,42 +95,46 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         chat: bool = False,
-    ) -> Iterator[StreamPiece | Completion]:
-        """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
-        the request is left on the engine (its adaptation state carries over, by design)."""
+        decoder: Decoder | None = None,
+        cache: Cache | None = None,
+    ) -> RequestRun:
+        """Check a request, prefill its prompt and return its run, ready for decoding steps
+        (``events`` drives one; a ``batch.Batch`` drives several together). ``decoder`` and
+        ``cache``: a batched stream's own drafter and pool slot (default: the engine's, a new cache).
+        Raises CausalDraftError for bad input."""
+        decoder = decoder or self.decoder
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         prompt_ids = self.encode(prompt, chat)
         generator = None if sampling.greedy else make_generator(seed)
         started = time.perf_counter()
-        state = prefill(self.decoder, prompt_ids, max_new_tokens, generator)
-        gumbel = not sampling.greedy and self.decoder.decode.sampler == "gumbel"
-        if gumbel and self.decoder.decode.acceptance == "lossless":
+        state = prefill(decoder, prompt_ids, max_new_tokens, generator, cache)
+        gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel"
+        if gumbel and decoder.decode.acceptance == "lossless":
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
-        text = TextTracker(self.tokenizer, stops)
-        kept_tokens = 0
         # Greedy and Gumbel-sampled output does not depend on the tree, so those requests use the
         # engine's measured cost model. A seeded request under rejection sampling adapts from a
         # fresh state without timing-based decisions, so the same seed gives the same tokens (tree
         # shapes, and so random draws, never depend on the clock).
         seeded = seed is not None and not sampling.greedy and state.noise_seed is None
-        adapt = initial_adapt_state(self.decoder.tree, timed=False) if seeded else self.adapt
-        policy = BudgetPolicy(self.decoder.tree, self.decoder.decode, self.decoder.cost, adapt)
-        for emitted in decode_steps(self.decoder, state, policy, sampling, max_new_tokens):
-            kept, delta = text.add(emitted)
-            kept_tokens += kept
-            if kept or delta:
-                yield StreamPiece(delta, emitted[:kept])
-            if text.stopped:
+        adapt = initial_adapt_state(decoder.tree, timed=False) if seeded else self.adapt
+        if decoder is not self.decoder:
+            adapt = copy.deepcopy(adapt)  # a batched stream adapts on its own
+        policy = BudgetPolicy(decoder.tree, decoder.decode, decoder.cost, adapt)
+        return RequestRun(decoder, state, policy, sampling, max_new_tokens, TextTracker(self.tokenizer, stops),
+                          len(prompt_ids), started)  # fmt: skip
+
+    def events(self, prompt: str | Sequence[int], **options: Any) -> Iterator[StreamPiece | Completion]:
+        """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
+        the request is left on the engine (its adaptation state carries over, by design). Options:
+        those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat)."""
+        run = self.start(prompt, **options)
+        for emitted in decode_steps(run.decoder, run.state, run.policy, run.sampling, run.max_new_tokens):
+            yield from run.absorb(emitted)
+            if run.text.stopped:
                 break
-        tail = text.flush()
-        if tail:
-            yield StreamPiece(tail, [])
-        # a stop string ends the output there: the tokens after it are not this request's output
-        reason = "stop" if text.stopped else (state.finish_reason or "stop")
-        stats = replace(state.stats, new_tokens=kept_tokens, wall_s=time.perf_counter() - started)
-        yield Completion(stats, reason, len(prompt_ids))
+        yield from run.finish()
 
     def stream(self, prompt: str | Sequence[int], **options: object) -> Iterator[str]:
         for item in self.events(prompt, **options):  # type: ignore[arg-type]
@@ -145,6 +150,48 @@ class Engine:
             texts.append(item.text)
             ids.extend(item.token_ids)
         raise AssertionError("events() ends with a Completion")
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], size: int = 8, **options: Any) -> list[Generation]:
+        """Generate for every prompt, ``size`` decoded together (continuous batching: each step's
+        trees share one target pass; a finished prompt's place goes to the next). Each result is
+        what ``generate`` gives for that prompt alone. Options: as ``generate``."""
+        from causaldraft.batch import generate_batch  # batch builds on this module
+
+        return generate_batch(self, prompts, size, **options)
+
+
+@dataclass
+class RequestRun:
+    """One request in progress: its decoder, decode state, budget policy and text (stop strings)."""
+
+    decoder: Decoder
+    state: DecodeState
+    policy: BudgetPolicy
+    sampling: SamplingConfig
+    max_new_tokens: int
+    text: TextTracker
+    prompt_tokens: int
+    started: float
+    kept_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.state.finished or self.text.stopped
+
+    def absorb(self, emitted: list[int]) -> list[StreamPiece]:
+        """A step's emitted tokens -> the text that may be shown (a stop string ends it there)."""
+        kept, delta = self.text.add(emitted)
+        self.kept_tokens += kept
+        return [StreamPiece(delta, emitted[:kept])] if kept or delta else []
+
+    def finish(self) -> list[StreamPiece | Completion]:
+        """The held-back text, then the ``Completion``."""
+        tail = self.text.flush()
+        pieces: list[StreamPiece | Completion] = [StreamPiece(tail, [])] if tail else []
+        # a stop string ends the output there: the tokens after it are not this request's output
+        reason = "stop" if self.text.stopped else (self.state.finish_reason or "stop")
+        stats = replace(self.state.stats, new_tokens=self.kept_tokens, wall_s=time.perf_counter() - self.started)
+        return [*pieces, Completion(stats, reason, self.prompt_tokens)]
 
 
 class TextTracker:

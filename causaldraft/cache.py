@@ -35,6 +35,13 @@ class KVCache:
         self.keys = [torch.zeros(kv_heads, size, head_dim, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(kv_heads, size, head_dim, dtype=dtype) for _ in range(num_layers)]
 
+    @staticmethod
+    def over(keys: list[torch.Tensor], values: list[torch.Tensor], max_len: int) -> KVCache:
+        """A cache over given buffers (views of a ``CachePool``'s rows): [kv_heads, capacity, head_dim]."""
+        cache = KVCache.__new__(KVCache)
+        cache.max_len, cache.length, cache.keys, cache.values = max_len, 0, keys, values
+        return cache
+
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.max_len:
             raise CausalDraftError(
@@ -80,3 +87,44 @@ class KVCache:
         if length < 0 or length > self.length:
             raise ValueError(f"cannot roll back to {length} from {self.length}")
         self.length = length
+
+
+class CachePool:
+    """The caches of up to ``size`` concurrent sequences in one tensor per layer, so one target
+    pass can read and write all of them (``NativeLlama.forward_batch``).
+
+    keys[layer], values[layer]: [size, kv_heads, capacity, head_dim]; ``caches[i]`` is sequence
+    slot i's ``KVCache``, whose buffers are views of row i (so single-sequence passes, such as a
+    prompt's prefill, write the same memory). A slot is taken for a sequence and released after it.
+    """
+
+    def __init__(
+        self, size: int, num_layers: int, kv_heads: int, head_dim: int, max_len: int, capacity: int,
+        dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        shape = (size, kv_heads, max(capacity, max_len), head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.caches = [
+            KVCache.over([k[i] for k in self.keys], [v[i] for v in self.values], max_len) for i in range(size)
+        ]
+        self.free = list(range(size))
+
+    @property
+    def size(self) -> int:
+        return len(self.caches)
+
+    def take(self) -> int:
+        """A free slot, its cache emptied; raises when every slot is taken."""
+        if not self.free:
+            raise CausalDraftError(f"all {self.size} sequence slots are taken")
+        slot = self.free.pop(0)
+        self.caches[slot].rollback(0)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self.free or not 0 <= slot < self.size:
+            raise ValueError(f"slot {slot} is not taken")
+        self.caches[slot].rollback(0)
+        self.free.append(slot)
+        self.free.sort()

@@ -59,7 +59,7 @@ def run_compile(args: argparse.Namespace) -> int:
     verify passes for the default node budget, for drafters with and without target features (kept
     with the graphs; ``--recalibrate`` times them again)."""
     from causaldraft.api import compile_backend, verify_cost
-    from causaldraft.models.compiled import GraphStore
+    from causaldraft.models.compiled import GraphStore, compile_batch
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama, default_aux_layers
 
@@ -73,10 +73,13 @@ def run_compile(args: argparse.Namespace) -> int:
     for aux_layers in ((), default_aux_layers(backend.llama_shape.num_layers)):
         cost = verify_cost(backend, max_nodes, aux_layers, remeasure=args.recalibrate)
         seconds[str(list(aux_layers))] = {size: round(value * 1000, 2) for size, value in sorted(cost.seconds.items())}
+    if args.batch > 1:  # the server's batch passes (``causaldraft serve --max-batch``)
+        compile_batch(backend, args.batch)
     store = backend.graph_store
     directory = store.directory if isinstance(store, GraphStore) else ""
     print(json.dumps({"model": str(target.model_dir), "dtype": target.dtype, "buckets": list(backend.buckets),
-                      "graphs": str(directory), "verify_ms": seconds}))  # fmt: skip
+                      "batch_buckets": list(backend.batch_graphs), "graphs": str(directory),
+                      "verify_ms": seconds}))  # fmt: skip
     return 0
 
 
@@ -115,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_command.add_argument("--max-nodes", type=int, default=None, help="node budget ceiling to time passes for")
     compile_command.add_argument("--recalibrate", action="store_true",
                                  help="time verify passes again (on a quiet machine), not the kept times")  # fmt: skip
+    compile_command.add_argument("--batch", type=int, default=0,
+                                 help="also build the graphs of batch passes over N sequences")  # fmt: skip
     compile_command.set_defaults(func=run_compile)
 
     export = commands.add_parser("export-heads", help="write a trained eagle3 drafter for vLLM (speculators layout)")

@@ -101,8 +101,12 @@ class Decoder:
     eos_token_ids: frozenset[int]
 
 
-def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None) -> DecodeState:
-    """Cache every prompt token but the last, which becomes the first step's root."""
+def prefill(
+    decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None,
+    cache: Cache | None = None,
+) -> DecodeState:  # fmt: skip
+    """Cache every prompt token but the last, which becomes the first step's root (in ``cache``,
+    empty, when given: a batch's pool slot; else a new one sized for the request)."""
     if not prompt:
         raise CausalDraftError("the prompt is empty")
     limit = decoder.target.shape.max_positions
@@ -111,7 +115,14 @@ def prefill(decoder: Decoder, prompt: list[int], max_new_tokens: int, generator:
             f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
             f"context of {limit} tokens"
         )
-    cache = decoder.target.new_cache(len(prompt) + max_new_tokens + decoder.tree.max_nodes + 1)
+    needed = len(prompt) + max_new_tokens + decoder.tree.max_nodes + 1
+    if cache is None:
+        cache = decoder.target.new_cache(needed)
+    elif cache.length or cache.max_len < needed:
+        raise CausalDraftError(
+            f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the batch's "
+            f"context of {cache.max_len} tokens per sequence"
+        )
     state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
     started = time.perf_counter()
     count = len(prompt) - 1
@@ -149,27 +160,47 @@ def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampl
     return policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
 
 
+@dataclass(frozen=True)
+class TreePass:
+    """The target pass over a draft tree: new tokens [n], positions [n], mask [n, length + n]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def tree_pass(draft: Draft, length: int) -> TreePass:
+    compiled = compile_tree(draft.tree)
+    tokens = torch.tensor(draft.tree.tokens, dtype=torch.long)
+    return TreePass(tokens, compiled.depths + length, full_mask(compiled, length))
+
+
 def verify_step(
     decoder: Decoder, state: DecodeState, draft: Draft, sampling: SamplingConfig
 ) -> tuple[Acceptance, ForwardOutput]:
     """One target pass over the tree; returns the acceptance and the pass's output (hidden
     states [n, hidden], and the drafter's features [n, F] when it reads them)."""
-    compiled = compile_tree(draft.tree)
-    length = state.cache.length
-    tokens = torch.tensor(draft.tree.tokens, dtype=torch.long)
+    inputs = tree_pass(draft, state.cache.length)
     out = decoder.target.forward(
-        tokens, compiled.depths + length, full_mask(compiled, length), state.cache,
-        aux_layers=decoder.drafter.feature_layers,
-    )  # fmt: skip
+        inputs.tokens, inputs.positions, inputs.mask, state.cache, aux_layers=decoder.drafter.feature_layers
+    )
+    return accept_pass(decoder, state, draft, inputs, out, sampling), out
+
+
+def accept_pass(
+    decoder: Decoder, state: DecodeState, draft: Draft, inputs: TreePass, out: ForwardOutput,
+    sampling: SamplingConfig,
+) -> Acceptance:  # fmt: skip
+    """The accepted path of a verified tree, by the engine's acceptance rule."""
     if sampling.greedy:
-        return verify_greedy(draft.tree, out.logits), out
+        return verify_greedy(draft.tree, out.logits)
     if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
-        positions = (compiled.depths + length + 1).tolist()  # where each node's sampled next token goes
-        return verify_greedy(draft.tree, gumbel_scores(out.logits, positions, sampling, state.noise_seed)), out
+        positions = (inputs.positions + 1).tolist()  # where each node's sampled next token goes
+        return verify_greedy(draft.tree, gumbel_scores(out.logits, positions, sampling, state.noise_seed))
     target_probs = warp_probs(out.logits, sampling)
     if decoder.decode.acceptance == "naive":
-        return verify_naive(draft.tree, target_probs, state.generator), out
-    return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator), out
+        return verify_naive(draft.tree, target_probs, state.generator)
+    return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator)
 
 
 def commit_step(
@@ -200,18 +231,31 @@ def decode_steps(
         drafted_at = time.perf_counter()
         prefix_length = state.cache.length
         acceptance, out = verify_step(decoder, state, draft, sampling)
-        verified_at = time.perf_counter()
-        features = commit_step(state, prefix_length, acceptance, out)
-        emitted = accept_tokens(decoder, state, list(acceptance.tokens), max_new_tokens)
-        result = StepResult(draft, acceptance, tuple(state.tokens), features)
-        decoder.drafter.observe(result)
-        accepted = len(acceptance.path) - 1
-        step = StepStats(draft.tree.size, accepted, drafted_at - started, verified_at - drafted_at,
-                         policy.state.speculating)  # fmt: skip
-        state.stats.record(step, max(draft.tree.depths))
-        policy.observe(draft, accepted, step.draft_s, step.verify_s)
+        timing = StepTiming(drafted_at - started, time.perf_counter() - drafted_at)
+        emitted = finish_step(decoder, state, policy, draft, prefix_length, acceptance, out, max_new_tokens, timing)
         if emitted:
             yield emitted
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    draft_s: float
+    verify_s: float  # this sequence's share of the verify pass
+
+
+def finish_step(
+    decoder: Decoder, state: DecodeState, policy: BudgetPolicy, draft: Draft, prefix_length: int,
+    acceptance: Acceptance, out: ForwardOutput, max_new_tokens: int, timing: StepTiming,
+) -> list[int]:  # fmt: skip
+    """After the verify pass: commit -> accept -> observe. Returns the emitted tokens."""
+    features = commit_step(state, prefix_length, acceptance, out)
+    emitted = accept_tokens(decoder, state, list(acceptance.tokens), max_new_tokens)
+    decoder.drafter.observe(StepResult(draft, acceptance, tuple(state.tokens), features))
+    accepted = len(acceptance.path) - 1
+    step = StepStats(draft.tree.size, accepted, timing.draft_s, timing.verify_s, policy.state.speculating)
+    state.stats.record(step, max(draft.tree.depths))
+    policy.observe(draft, accepted, step.draft_s, step.verify_s)
+    return emitted
 
 
 def accept_tokens(decoder: Decoder, state: DecodeState, tokens: list[int], max_new_tokens: int) -> list[int]:

@@ -121,11 +121,12 @@ def test_the_old_attention_was_not_row_invariant(models: dict[str, LoadedModel])
     tokens, positions, mask = decoy_tree(chain, len(prompt))
     with torch.no_grad():
         cache = prefilled(backend, prompt)
-        slots = torch.arange(cache.length, cache.length + tokens.shape[0])
-        over_mask, _ = backend.body(tokens, positions, mask, slots, cache.keys, cache.values)
+        slots = torch.arange(cache.length, cache.length + tokens.shape[0])[None]
+        keys, values = [k[None] for k in cache.keys], [v[None] for v in cache.values]
+        over_mask, _ = backend.body(tokens[None], positions[None], mask, slots, keys, values)
         layout = blocked_keys(mask, positions, cache.length, tokens.shape[0])
         assert layout is not None
-        blocked, _ = backend.body(tokens, positions, layout, slots, cache.keys, cache.values)
+        blocked, _ = backend.body(tokens[None], positions[None], layout, slots, keys, values)
     assert not torch.equal(over_mask[0::2], blocked[0::2])
 
 

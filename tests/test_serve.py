@@ -6,7 +6,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,8 @@ import httpx
 import openai
 import pytest
 
-from causaldraft.api import Completion, Engine, StreamPiece, load
+from causaldraft.api import Engine, load
 from causaldraft.cli import build_parser
-from causaldraft.decode import GenerationStats
 from causaldraft.serve.app import create_app
 from causaldraft.serve.metrics import Metrics, parse_metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES
@@ -57,7 +55,8 @@ def reference(model_dir: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[BackgroundServer]:
-    app = create_app(tiny_engine(model_dir), max_queue=1, model_name=MODEL)
+    """One request decoded at a time, one waiting (the batched server has its own tests)."""
+    app = create_app(tiny_engine(model_dir), max_queue=1, model_name=MODEL, max_batch=1)
     with BackgroundServer(app) as running:
         yield running
 
@@ -270,11 +269,13 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked(server: BackgroundSe
     assert not any("usage" in chunk for chunk in plain)
 
 
-def test_a_burst_is_admitted_as_one_running_plus_the_queue() -> None:
-    """Counted from submit: three simultaneous requests with max_queue 2 are one to run and two waiting."""
-    worker = Worker(FaultyEngine(), Metrics(), max_queue=2)  # type: ignore[arg-type]
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_burst_is_admitted_as_the_batch_plus_the_queue(model_dir: Path, max_batch: int) -> None:
+    """Counted from submit: with max_queue 2, max_batch + 2 simultaneous requests are admitted
+    (max_batch to run, two waiting) and one more is refused."""
+    worker = Worker(tiny_engine(model_dir), Metrics(), max_queue=2, max_batch=max_batch)
     request = PreparedRequest(GenerationRequest("hi", None, 1, 0.0, 1.0, None, []), [1, 2, 3], 1)
-    for _ in range(3):
+    for _ in range(max_batch + 2):
         worker.submit(Job(request, lambda event: None))
     with pytest.raises(QueueFull):
         worker.submit(Job(request, lambda event: None))
@@ -383,48 +384,27 @@ def test_metrics_change_after_requests(server: BackgroundServer, client: openai.
     assert after["causaldraft_queue_capacity"] == 1
 
 
-@dataclass
-class FaultyShape:
-    max_positions: int = 64
+def test_worker_survives_an_unexpected_exception(model_dir: Path) -> None:
+    """A fault while starting one request fails that request with a 500; the next one is served."""
+    engine = tiny_engine(model_dir)
+    start = engine.start
+    calls: list[int] = []
 
-
-@dataclass
-class FaultyBackend:
-    shape: FaultyShape = field(default_factory=FaultyShape)
-
-
-@dataclass
-class FaultyModel:
-    backend: FaultyBackend = field(default_factory=FaultyBackend)
-
-
-@dataclass
-class FaultyEngine:
-    """Fails its first generation with an unexpected exception, then works."""
-
-    model: FaultyModel = field(default_factory=FaultyModel)
-    calls: int = 0
-
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        return [1, 2, 3]
-
-    def events(self, prompt: list[int], **options: object) -> Iterator[StreamPiece | Completion]:
-        self.calls += 1
-        if self.calls == 1:
+    def faulty_start(prompt: list[int], **options: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
             raise ZeroDivisionError("boom")
-        yield StreamPiece("ok", [7])
-        yield Completion(GenerationStats(new_tokens=1, target_forwards=1), "length", len(prompt))
+        return start(prompt, **options)
 
-
-def test_worker_survives_an_unexpected_exception() -> None:
-    worker = Worker(FaultyEngine(), Metrics(), max_queue=2)  # type: ignore[arg-type]
+    engine.start = faulty_start  # type: ignore[method-assign]
+    worker = Worker(engine, Metrics(), max_queue=2)
     events: list[list[Event]] = [[], []]
     request = PreparedRequest(GenerationRequest("hi", None, 1, 0.0, 1.0, None, []), [1, 2, 3], 1)
     worker.start()
     try:
         for inbox in events:
             worker.submit(Job(request, inbox.append))
-        wait_until(lambda: bool(events[1]) and isinstance(events[1][-1], Finished), timeout_s=10)
+        wait_until(lambda: bool(events[1]) and isinstance(events[1][-1], Finished), timeout_s=30)
     finally:
         worker.stop()
     assert isinstance(events[0][-1], Failed) and events[0][-1].status == 500

@@ -82,6 +82,11 @@ class Drafter(Protocol):
 
     def observe(self, result: StepResult) -> None: ...
 
+    def fork(self) -> Drafter:
+        """A drafter for another concurrent sequence: the same weights, its own per-sequence state
+        (continuous batching runs one per sequence)."""
+        ...
+
 
 class NoDrafter:
     """Plain decoding: every step verifies only the root."""
@@ -97,3 +102,6 @@ class NoDrafter:
 
     def observe(self, result: StepResult) -> None:
         return None
+
+    def fork(self) -> NoDrafter:
+        return NoDrafter()

@@ -29,6 +29,9 @@ class DraftModelDrafter:
         self.cache: Cache = model.new_cache(max_len)
         self.context: tuple[int, ...] = ()  # tokens whose entries are in the draft cache
 
+    def fork(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.model, self.name, self.max_len)
+
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         self.cache.rollback(0)
         self.context = ()

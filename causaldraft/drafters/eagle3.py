@@ -49,6 +49,7 @@ class Eagle3Drafter:
         """``int8``: output projection in int8 per row (for quantized targets, as the heads do)."""
         self.layer = layer
         self.backend = backend
+        self.int8 = int8
         self.feature_layers = layer.config.aux_layers
         self.lookup = LookupMerge() if lookup_merge else None
         c = layer.config
@@ -61,6 +62,9 @@ class Eagle3Drafter:
         self.project: Callable[[torch.Tensor], torch.Tensor] = (
             Int8Linear(quantize_int8(layer.lm_head.weight.detach()), None) if int8 else layer.lm_head
         )  # [m, h] -> [m, V']
+
+    def fork(self) -> Eagle3Drafter:
+        return Eagle3Drafter(self.layer, self.backend, self.lookup is not None, self.int8)
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
         self.committed = 0

@@ -192,6 +192,7 @@ class HeadsDrafter:
         [3, 576] x [576, 8192]: 226 us vs 252 us in bf16, 145 vs 234 us for one row)."""
         self.heads = heads
         self.backend = backend
+        self.int8 = int8
         self.name = heads.config.kind
         self.lookup = LookupMerge() if lookup_merge else None
         # drafting reads the output rows once per tree level: bf16 halves the (memory-bound) cost
@@ -199,6 +200,9 @@ class HeadsDrafter:
         self.project: Callable[[torch.Tensor], torch.Tensor] = (
             Int8Linear(quantize_int8(heads.out_weight), None) if int8 else lambda x: x @ out_weight.t()
         )  # [m, hidden] bf16 -> [m, V'] logits
+
+    def fork(self) -> HeadsDrafter:
+        return HeadsDrafter(self.heads, self.backend, self.lookup is not None, self.int8)
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         if self.lookup is not None:

@@ -29,6 +29,9 @@ class LookupDrafter:
         self.first_rate = 0.5  # P(first proposed token accepted)
         self.continue_rate = 0.7  # P(token k+1 accepted | tokens 1..k accepted)
 
+    def fork(self) -> LookupDrafter:
+        return LookupDrafter(self.max_ngram, self.min_ngram)
+
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         self.index = defaultdict(list)
         self.indexed = 0

@@ -40,11 +40,14 @@ KEY_BLOCK = 64  # positions per key block; a multiple of every vector width the 
 
 @dataclass(frozen=True)
 class BlockedKeys:
-    """The key layout of one pass of n rows.
+    """The key layout of one pass over S sequences of n rows each (S = 1 for a single sequence).
 
-    seen: [n, T + KEY_BLOCK] bool, by position: which of positions [0, T + KEY_BLOCK) each row
-    sees (the head all; its width carries T into compiled graphs). tail_slots: [n, KEY_BLOCK]
-    long, the cache slot (minus T) holding each tail position on the row's path (0 where unseen).
+    seen: [S, n, T + KEY_BLOCK] bool, by position: which of positions [0, T + KEY_BLOCK) each row
+    sees. T, the head width, is the largest of the sequences' own heads (its width carries T into
+    compiled graphs); a sequence with a shorter head sees its own head columns and not the rest
+    (masked columns add exact zeros at the end of the head's sum and product: docs/exactness.md).
+    tail_slots: [S, n, KEY_BLOCK] long, the cache slot holding each tail position on the row's path
+    (the sequence's own head slot where unseen).
     """
 
     seen: torch.Tensor
@@ -52,10 +55,27 @@ class BlockedKeys:
 
     @property
     def head(self) -> int:
-        return self.seen.shape[1] - KEY_BLOCK
+        return self.seen.shape[-1] - KEY_BLOCK
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.seen, self.tail_slots
+
+
+@dataclass(frozen=True)
+class SequenceKeys:
+    """One sequence's layout on the host, before sequences are stacked: its own head ``head``,
+    ``tail_seen`` [rows, KEY_BLOCK] bool by tail position, ``tail_slots`` [rows, KEY_BLOCK] absolute."""
+
+    head: int
+    tail_seen: np.ndarray
+    tail_slots: np.ndarray
+
+    @staticmethod
+    def padding(rows: int) -> SequenceKeys:
+        """A sequence slot with nothing to compute: each row sees slot 0 only (no empty softmax)."""
+        seen = np.zeros((rows, KEY_BLOCK), dtype=bool)
+        seen[:, 0] = True
+        return SequenceKeys(0, seen, np.zeros((rows, KEY_BLOCK), dtype=np.int64))
 
 
 def head_length(length: int) -> int:
@@ -69,9 +89,9 @@ def pass_room(length: int) -> int:
     return KEY_BLOCK - length % KEY_BLOCK
 
 
-def blocked_keys(mask: torch.Tensor, positions: torch.Tensor, length: int, rows: int) -> BlockedKeys | None:
-    """The layout of a pass over ``length`` committed slots, or None when it has none (a row sees
-    a gap in the committed prefix, or reaches past the block: a long prefill).
+def sequence_keys(mask: torch.Tensor, positions: torch.Tensor, length: int, rows: int) -> SequenceKeys | None:
+    """One sequence's layout for a pass over ``length`` committed slots, or None when it has none
+    (a row sees a gap in the committed prefix, or reaches past the block: a long prefill).
 
     mask: [n, length + n] bool (the backend's mask), positions: [n] long; ``rows`` >= n pads the
     pass to that many rows (padding rows see tail position 0 only; their output is discarded).
@@ -91,46 +111,68 @@ def blocked_keys(mask: torch.Tensor, positions: torch.Tensor, length: int, rows:
     expected[:n] = positions.numpy() - head + 1
     if (counts > KEY_BLOCK).any() or not np.array_equal(counts, expected):
         return None
-    tail_slots = np.zeros((rows, KEY_BLOCK), dtype=np.int64)
+    tail_slots = np.full((rows, KEY_BLOCK), head, dtype=np.int64)
     row_index, slot_index = tail.nonzero()  # row-major: each row's slots in order
-    tail_slots[row_index, tail.cumsum(axis=1)[row_index, slot_index] - 1] = slot_index
-    seen = np.ones((rows, head + KEY_BLOCK), dtype=bool)
-    seen[:, head:] = np.arange(KEY_BLOCK)[None, :] < counts[:, None]
+    tail_slots[row_index, tail.cumsum(axis=1)[row_index, slot_index] - 1] = head + slot_index
+    tail_seen = np.arange(KEY_BLOCK)[None, :] < counts[:, None]
+    return SequenceKeys(head, tail_seen, tail_slots)
+
+
+def stack_keys(sequences: list[SequenceKeys]) -> BlockedKeys:
+    """The layout of one pass over these sequences (equal row counts), heads padded to the longest."""
+    head = max(sequence.head for sequence in sequences)
+    rows = sequences[0].tail_seen.shape[0]
+    seen = np.zeros((len(sequences), rows, head + KEY_BLOCK), dtype=bool)
+    for index, sequence in enumerate(sequences):
+        seen[index, :, : sequence.head] = True
+        seen[index, :, head:] = sequence.tail_seen
+    tail_slots = np.stack([sequence.tail_slots for sequence in sequences])
     return BlockedKeys(torch.from_numpy(seen), torch.from_numpy(tail_slots))
 
 
+def blocked_keys(mask: torch.Tensor, positions: torch.Tensor, length: int, rows: int) -> BlockedKeys | None:
+    """The layout of a one-sequence pass (``sequence_keys``, stacked), or None when it has none."""
+    keys = sequence_keys(mask, positions, length, rows)
+    return None if keys is None else stack_keys([keys])
+
+
 def attend_blocked(
-    q: torch.Tensor,  # [nh, n, hd]
-    keys: torch.Tensor,  # [kvh, capacity, hd] (capacity >= T + KEY_BLOCK + n)
-    values: torch.Tensor,  # [kvh, capacity, hd]
+    q: torch.Tensor,  # [S, nh, n, hd]
+    keys: torch.Tensor,  # [S, kvh, capacity, hd] (capacity >= T + KEY_BLOCK + n)
+    values: torch.Tensor,  # [S, kvh, capacity, hd]
     layout: BlockedKeys,
 ) -> torch.Tensor:
-    """Grouped-query attention of n rows in the blocked layout: [nh, n, hd] (scores fp32)."""
-    heads, n, hd = q.shape
-    kv_heads = keys.shape[0]
+    """Grouped-query attention of n rows per sequence in the blocked layout: [S, nh, n, hd]
+    (scores fp32). Sequences never see each other's keys."""
+    sequences, heads, n, hd = q.shape
+    kv_heads, capacity = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     head = layout.head
-    width = KEY_BLOCK + n  # tail slots [T, T + width) hold every tail position of every row
-    grouped = at_least_two_rows(q.reshape(kv_heads, group * n, hd))  # [kvh, max(2, g*n), hd]
+    width = KEY_BLOCK + n  # slots [0, T + width) hold every head and tail position of every row
+    grouped = at_least_two_rows(q.reshape(sequences, kv_heads, group * n, hd))  # [S, kvh, max(2, g*n), hd]
     # the cache slices are copied to dense tensors first: the batched product copies a strided
     # operand itself, at twice the cost (measured: a third of a 1-row int4 pass's attention time)
-    by_slot = torch.matmul(grouped, keys[:, : head + width].contiguous().transpose(1, 2))[:, : group * n].float()
-    by_slot = by_slot.view(kv_heads, group, n, head + width)  # [kvh, g, n, T + W] over slots [0, T + W)
-    to_slot = layout.tail_slots.view(1, 1, n, KEY_BLOCK).expand(kv_heads, group, n, KEY_BLOCK)
+    by_slot = torch.matmul(grouped, keys[:, :, : head + width].contiguous().transpose(2, 3))[:, :, : group * n]
+    by_slot = by_slot.float().view(sequences, kv_heads, group, n, head + width)  # over slots [0, T + W)
+    seen = layout.seen.view(sequences, 1, 1, n, head + KEY_BLOCK)
+    to_slot = layout.tail_slots.view(sequences, 1, 1, n, KEY_BLOCK).expand(sequences, kv_heads, group, n, KEY_BLOCK)
     scale = hd**-0.5
-    head_scores = by_slot[..., :head] * scale  # [kvh, g, n, T]
-    tail_scores = by_slot[..., head:].gather(3, to_slot) * scale  # [kvh, g, n, B] by position
-    tail_scores = tail_scores.masked_fill(~layout.seen[:, head:], float("-inf"))
-    top = torch.cat((head_scores, tail_scores), dim=-1).amax(dim=-1, keepdim=True)  # [kvh, g, n, 1]
+    head_scores = (by_slot[..., :head] * scale).masked_fill(~seen[..., :head], float("-inf"))  # [S, kvh, g, n, T]
+    tail_scores = by_slot.gather(4, to_slot) * scale  # [S, kvh, g, n, B] by position
+    tail_scores = tail_scores.masked_fill(~seen[..., head:], float("-inf"))
+    top = torch.cat((head_scores, tail_scores), dim=-1).amax(dim=-1, keepdim=True)  # [S, kvh, g, n, 1]
     head_exp, tail_exp = (head_scores - top).exp(), (tail_scores - top).exp()
     total = head_exp.sum(dim=-1, keepdim=True) + tail_exp.sum(dim=-1, keepdim=True)
-    tail_values = values[:, head + layout.tail_slots]  # [kvh, n, B, hd] by position
-    tail_weights = at_least_two_rows((tail_exp / total).transpose(1, 2).to(values.dtype))  # [kvh, n, max(2, g), B]
-    tail_out = torch.matmul(tail_weights, tail_values)[:, :, :group].transpose(1, 2)  # [kvh, g, n, hd]
-    head_weights = at_least_two_rows((head_exp / total).to(values.dtype).reshape(kv_heads, group * n, head))
-    head_out = torch.matmul(head_weights, values[:, :head].contiguous())[:, : group * n]  # [kvh, g*n, hd]
-    out = tail_out.float() + head_out.view(kv_heads, group, n, hd).float()
-    return out.to(q.dtype).reshape(heads, n, hd)
+    # tail values gathered in position order from a flat view: [S, kvh, n, B, hd]
+    base = (torch.arange(sequences * kv_heads) * capacity).view(sequences, kv_heads, 1, 1)
+    flat = (base + layout.tail_slots.view(sequences, 1, n, KEY_BLOCK)).reshape(-1)
+    tail_values = values.reshape(-1, hd).index_select(0, flat).view(sequences, kv_heads, n, KEY_BLOCK, hd)
+    tail_weights = (tail_exp / total).transpose(2, 3).to(values.dtype)  # [S, kvh, n, g, B]
+    tail_out = torch.matmul(at_least_two_rows(tail_weights), tail_values)[:, :, :, :group].transpose(2, 3)
+    head_weights = (head_exp / total).to(values.dtype).reshape(sequences, kv_heads, group * n, head)
+    head_out = torch.matmul(at_least_two_rows(head_weights), values[:, :, :head].contiguous())[:, :, : group * n]
+    out = tail_out.float() + head_out.view(sequences, kv_heads, group, n, hd).float()  # [S, kvh, g, n, hd]
+    return out.to(q.dtype).reshape(sequences, heads, n, hd)
 
 
 def at_least_two_rows(x: torch.Tensor) -> torch.Tensor:

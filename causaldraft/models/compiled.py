@@ -32,10 +32,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from causaldraft.cache import KVCache
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import blocked, native, quant
-from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, blocked_keys
+from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
 
@@ -152,6 +151,27 @@ def compile_model(
     model.graph_aux_layers = aux_layers
 
 
+def compile_batch(model: NativeLlama, sequences: int, progress: bool = True) -> None:
+    """Graphs for passes over ``sequences`` sequences at once (``NativeLlama.forward_batch``), one
+    per bucket of rows per sequence, up to ``batch_row_buckets``; the model must be compiled
+    (``compile_model``) first, and shares its store."""
+    store = model.graph_store
+    if not isinstance(store, GraphStore):
+        raise CausalDraftError("compile the model (compile_model) before its batch graphs")
+    buckets = batch_row_buckets(model)
+    packages = store.load_or_build(model, buckets, progress, sequences)
+    weights = weights_of(model)
+    model.batch_graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
+                          for bucket, package in packages.items()}  # fmt: skip
+    model.batch_sequences = sequences
+
+
+def batch_row_buckets(model: NativeLlama) -> tuple[int, ...]:
+    """Rows per sequence of the batch graphs: the passes a batch of streams runs are smaller trees
+    than one stream's (int4 pays for every row; bf16 up to 32 rows cost about two one-row passes)."""
+    return (1, 2) if model.quantized else (1, 2, 4)
+
+
 def compiler_available() -> str | None:
     """None when AOTInductor can build here, else why not (one line)."""
     from torch._inductor.cpp_builder import get_cpp_compiler
@@ -235,11 +255,12 @@ class GraphStore:
         self.directory = (root or causaldraft_home() / "compiled") / key.digest()
         self.builds = 0  # packages built by this process (tests check that nothing is rebuilt)
 
-    def package(self, bucket: int) -> Path:
-        return self.directory / f"bucket-{bucket}.pt2"
+    def package(self, bucket: int, sequences: int = 1) -> Path:
+        name = f"bucket-{bucket}" if sequences == 1 else f"batch-{sequences}x{bucket}"
+        return self.directory / f"{name}.pt2"
 
-    def load(self, bucket: int) -> Runner | None:
-        path = self.package(bucket)
+    def load(self, bucket: int, sequences: int = 1) -> Runner | None:
+        path = self.package(bucket, sequences)
         if not path.is_file():
             return None
         try:
@@ -249,63 +270,68 @@ class GraphStore:
             path.unlink(missing_ok=True)
             return None
 
-    def build(self, model: NativeLlama, bucket: int) -> Runner:
-        """Export the body at ``bucket`` rows (the attention span and cache capacity dynamic) and
-        package it; the file appears atomically."""
+    def build(self, model: NativeLlama, bucket: int, sequences: int = 1) -> Runner:
+        """Export the body for ``sequences`` sequences of ``bucket`` rows (the attention span and
+        cache capacity dynamic) and package it; the file appears atomically."""
         from torch.export import Dim
 
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "key.json").write_text(json.dumps(asdict(self.key), indent=1))
         shape = model.llama_shape
         length = KEY_BLOCK + 6  # a head of one block: its length (the layout's span) is dynamic
-        cache = KVCache(shape.num_layers, shape.kv_heads, shape.head_dim, 4 * KEY_BLOCK, model.dtype,
-                        capacity=5 * KEY_BLOCK + bucket)  # fmt: skip
+        size = (sequences, shape.kv_heads, 5 * KEY_BLOCK + bucket, shape.head_dim)
+        keys = [torch.zeros(size, dtype=model.dtype) for _ in range(shape.num_layers)]
+        values = [torch.zeros(size, dtype=model.dtype) for _ in range(shape.num_layers)]
         mask = torch.ones(bucket, length + bucket, dtype=torch.bool).tril(length)
         positions = torch.arange(length, length + bucket)
-        layout = blocked_keys(mask, positions, length, bucket)
-        if layout is None:
+        one = sequence_keys(mask, positions, length, bucket)
+        if one is None:
             raise CausalDraftError(f"bucket {bucket} does not fit a key block of {KEY_BLOCK}")
+        layout = stack_keys([one] * sequences)
+        positions = positions.repeat(sequences, 1)
         slots = positions.clone()  # a distinct tensor: export would make one input of the same one passed twice
-        args = (torch.zeros(bucket, dtype=torch.long), positions, slots, *layout.tensors(), cache.keys,
-                cache.values)  # fmt: skip
+        args = (torch.zeros(sequences, bucket, dtype=torch.long), positions, slots, *layout.tensors(), keys, values)
         weights = weights_of(model)
         # the head length (the layout's span) and the cache capacity vary at run time; export
         # infers their ranges
         capacity, span = Dim.AUTO, Dim.AUTO
-        dynamic = ({name: None for name in weights}, None, None, None, {1: span}, None,
-                   [{1: capacity}] * len(cache.keys), [{1: capacity}] * len(cache.values))  # fmt: skip
+        dynamic = ({name: None for name in weights}, None, None, None, {2: span}, None,
+                   [{2: capacity}] * len(keys), [{2: capacity}] * len(values))  # fmt: skip
         with torch.no_grad():
             exported = torch.export.export(
                 _Body(model, self.key.aux_layers), (weights, *args), dynamic_shapes=dynamic, strict=False
             )
         with tempfile.TemporaryDirectory(dir=self.directory) as work:
-            scratch = Path(work) / f"bucket-{bucket}.pt2"
+            scratch = Path(work) / self.package(bucket, sequences).name
             torch._inductor.aoti_compile_and_package(
                 exported, package_path=str(scratch), inductor_configs=dict(INDUCTOR_OPTIONS)
             )
-            scratch.replace(self.package(bucket))
+            scratch.replace(self.package(bucket, sequences))
         self.builds += 1
-        runner = self.load(bucket)
+        runner = self.load(bucket, sequences)
         if runner is None:
-            raise CausalDraftError(f"the compiled graph just built at {self.package(bucket)} does not load")
+            raise CausalDraftError(f"the compiled graph just built at {self.package(bucket, sequences)} does not load")
         return runner
 
-    def load_or_build(self, model: NativeLlama, buckets: tuple[int, ...], progress: bool = True) -> dict[int, Runner]:
+    def load_or_build(
+        self, model: NativeLlama, buckets: tuple[int, ...], progress: bool = True, sequences: int = 1
+    ) -> dict[int, Runner]:
         runners: dict[int, Runner] = {}
         for bucket in buckets:
-            runner = self.load(bucket)
+            runner = self.load(bucket, sequences)
             if runner is not None:
                 runners[bucket] = runner
         missing = [bucket for bucket in buckets if bucket not in runners]
         if missing:
             seconds = len(missing) * SECONDS_PER_BUCKET * max(0.3, model.llama_shape.num_layers / 30)
             estimate = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
-            print(f"causaldraft: compiling {len(missing)} graphs for this model, dtype and CPU, once "
+            what = "graphs" if sequences == 1 else f"graphs for batches of {sequences} sequences"
+            print(f"causaldraft: compiling {len(missing)} {what} for this model, dtype and CPU, once "
                   f"(about {estimate}; later starts load them from {self.directory})", file=sys.stderr)  # fmt: skip
             bar = tqdm(missing, desc="compile", unit="graph", disable=not progress)
             for bucket in bar:
-                bar.set_postfix(rows=bucket)
-                runners[bucket] = self.build(model, bucket)
+                bar.set_postfix(rows=bucket, sequences=sequences)
+                runners[bucket] = self.build(model, bucket, sequences)
         return runners
 
     def read_calibration(self, name: str) -> dict[int, float] | None:

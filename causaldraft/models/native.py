@@ -18,16 +18,19 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from causaldraft.cache import KVCache
+from causaldraft.cache import CachePool, KVCache
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
 from causaldraft.models.blocked import (
     KEY_BLOCK,
     BlockedKeys,
+    SequenceKeys,
     at_least_two_rows,
     attend_blocked,
     blocked_keys,
     pass_room,
+    sequence_keys,
+    stack_keys,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -147,30 +150,32 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [n, hidden]
-        cos: torch.Tensor,  # [n, head_dim]
-        sin: torch.Tensor,  # [n, head_dim]
-        keyspec: Keys,  # a [n, span] bool mask over cache slots [0, span), or the blocked layout
-        keys_buffer: torch.Tensor,  # [kvh, capacity, hd]
-        values_buffer: torch.Tensor,  # [kvh, capacity, hd]
-        slots: torch.Tensor,  # [n] cache slots the new entries are written to
+        x: torch.Tensor,  # [S * n, hidden]: S sequences of n rows each
+        cos: torch.Tensor,  # [S * n, head_dim]
+        sin: torch.Tensor,  # [S * n, head_dim]
+        keyspec: Keys,  # a [n, span] bool mask over cache slots [0, span) (S = 1), or the blocked layout
+        keys_buffer: torch.Tensor,  # [S, kvh, capacity, hd]
+        values_buffer: torch.Tensor,  # [S, kvh, capacity, hd]
+        slots: torch.Tensor,  # [S, n] cache slots the new entries are written to
     ) -> torch.Tensor:
-        n = x.shape[0]
+        sequences, n = slots.shape
         hd = self.shape.head_dim
         q, k, v = self.qkv_proj(x).split(self.rows, dim=-1)
-        q = q.reshape(n, self.shape.num_heads, hd).transpose(0, 1)  # [nh, n, hd]
-        k = k.reshape(n, self.shape.kv_heads, hd).transpose(0, 1)  # [kvh, n, hd]
-        v = v.reshape(n, self.shape.kv_heads, hd).transpose(0, 1)  # [kvh, n, hd]
+        q = q.reshape(sequences, n, self.shape.num_heads, hd).transpose(1, 2)  # [S, nh, n, hd]
+        k = k.reshape(sequences, n, self.shape.kv_heads, hd).transpose(1, 2)  # [S, kvh, n, hd]
+        v = v.reshape(sequences, n, self.shape.kv_heads, hd).transpose(1, 2)  # [S, kvh, n, hd]
+        cos, sin = cos.view(sequences, 1, n, hd), sin.view(sequences, 1, n, hd)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        keys_buffer.index_copy_(1, slots, k)
-        values_buffer.index_copy_(1, slots, v)
+        sequence = torch.arange(sequences).view(sequences, 1)
+        keys_buffer[sequence, :, slots] = k.transpose(1, 2)  # [S, n, kvh, hd] at (sequence, :, slot)
+        values_buffer[sequence, :, slots] = v.transpose(1, 2)
         if isinstance(keyspec, BlockedKeys):
-            out = attend_blocked(q, keys_buffer, values_buffer, keyspec)  # [nh, n, hd]
+            out = attend_blocked(q, keys_buffer, values_buffer, keyspec)  # [S, nh, n, hd]
         else:
             span = keyspec.shape[1]
-            out = attend(q, keys_buffer[:, :span], values_buffer[:, :span], keyspec)  # [nh, n, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.shape.num_heads * hd))
+            out = attend(q[0], keys_buffer[0, :, :span], values_buffer[0, :, :span], keyspec)[None]
+        return self.o_proj(out.transpose(1, 2).reshape(sequences * n, self.shape.num_heads * hd))
 
 
 Keys = torch.Tensor | BlockedKeys  # what attention reads: a mask over slots, or the blocked layout
@@ -257,6 +262,9 @@ class NativeLlama(nn.Module):
         # passes and feature drafters alike); a request outside them runs the eager body
         self.graph_aux_layers: tuple[int, ...] = ()
         self.quantized = False  # set by quant.install_quantized
+        # set by compiled.compile_batch: passes over ``batch_sequences`` sequences, by rows per sequence
+        self.batch_graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self.batch_sequences = 0
 
     @property
     def dtype(self) -> torch.dtype:  # type: ignore[override]
@@ -316,18 +324,20 @@ class NativeLlama(nn.Module):
 
     def body(
         self,
-        tokens: torch.Tensor,  # [n]
-        positions: torch.Tensor,  # [n]
-        keyspec: Keys,  # [n, span] bool mask over slots, or the blocked layout (row-invariant)
-        slots: torch.Tensor,  # [n]
-        keys: list[torch.Tensor],  # per layer [kvh, capacity, hd]
+        tokens: torch.Tensor,  # [S, n]: S sequences (each with its own cache) of n new tokens
+        positions: torch.Tensor,  # [S, n]
+        keyspec: Keys,  # [n, span] bool mask over slots (S = 1), or the blocked layout (row-invariant)
+        slots: torch.Tensor,  # [S, n]
+        keys: list[torch.Tensor],  # per layer [S, kvh, capacity, hd]
         values: list[torch.Tensor],
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Embeddings through the layers and the final norm: hidden states [n, hidden], and the
-        inputs of ``aux_layers`` concatenated [n, len(aux_layers) * hidden] (None if none asked)."""
-        x = self.embed_tokens(tokens)  # [n, hidden]
-        cos, sin = self.rope(positions)
+        """Embeddings through the layers and the final norm: hidden states [S * n, hidden], and the
+        inputs of ``aux_layers`` concatenated [S * n, len(aux_layers) * hidden] (None if none asked).
+        Every linear layer runs over the S * n rows at once (row-invariant); attention stays within
+        each sequence."""
+        x = self.embed_tokens(tokens.reshape(-1))  # [S * n, hidden]
+        cos, sin = self.rope(positions.reshape(-1))
         aux: list[torch.Tensor] = []
         for index, module in enumerate(self.layers):
             if index in aux_layers:
@@ -360,6 +370,65 @@ class NativeLlama(nn.Module):
         """Positions a pass over ``length`` committed entries may reach and stay row-invariant."""
         return pass_room(length)
 
+    def new_pool(self, size: int, max_len: int) -> CachePool:
+        """Caches for ``size`` concurrent sequences of up to ``max_len`` entries (``forward_batch``)."""
+        s = self.llama_shape
+        capacity = max_len + KEY_BLOCK + max((*self.buckets, *self.batch_graphs), default=LARGE_QUERY_COUNT)
+        return CachePool(size, s.num_layers, s.kv_heads, s.head_dim, max_len, capacity, self.dtype)
+
+    @property
+    def batch_rows(self) -> int:
+        """The most rows per sequence a pass of ``forward_batch`` takes (its largest graph's)."""
+        return max(self.batch_graphs, default=MAX_EAGER_BATCH_ROWS)
+
+    def forward_batch(
+        self, pool: CachePool, passes: list[SequencePass], aux_layers: tuple[int, ...] = ()
+    ) -> list[ForwardOutput]:
+        """One pass over several sequences of ``pool``, each with its own new tokens, positions,
+        tree mask and cache: every row computes exactly what the sequence's own ``forward`` would
+        (row-invariant linears over all rows, attention within each sequence in the blocked layout,
+        heads padded to the longest). Each pass must stay within ``pass_room`` of its cache and
+        have at most ``batch_rows`` rows; pool slots without a pass compute padding rows written
+        past their own committed entries. Returns one output per pass, in order."""
+        rows = max(p.tokens.shape[0] for p in passes)
+        if rows > self.batch_rows or len({p.slot for p in passes}) != len(passes):
+            raise ValueError(f"a batch pass takes at most {self.batch_rows} rows per sequence, one pass per slot")
+        graph = self.batch_graphs if self.batch_sequences == pool.size else {}
+        bucket = next((size for size in sorted(graph) if size >= rows), None) if graph else rows
+        if bucket is None or not set(aux_layers) <= set(self.graph_aux_layers if graph else aux_layers):
+            raise ValueError("no batch graph for this pass")
+        layouts = [SequenceKeys.padding(bucket) for _ in range(pool.size)]
+        tokens = torch.zeros(pool.size, bucket, dtype=torch.long)
+        positions = torch.zeros(pool.size, bucket, dtype=torch.long)
+        starts = torch.tensor([cache.length for cache in pool.caches])
+        for p in passes:
+            cache = pool.caches[p.slot]
+            cache.check_room(p.tokens.shape[0])
+            layout = sequence_keys(p.mask, p.positions, cache.length, bucket)
+            if layout is None:
+                raise ValueError(f"slot {p.slot}'s pass leaves its key block (pass_room) or skips committed entries")
+            layouts[p.slot] = layout
+            n = p.tokens.shape[0]
+            tokens[p.slot, :n], positions[p.slot, :n] = p.tokens, p.positions
+        slots = starts[:, None] + torch.arange(bucket)[None, :]  # [S, bucket]: past each slot's committed entries
+        layout_tensors = stack_keys(layouts)
+        with torch.no_grad():
+            if graph:
+                hidden, aux = graph[bucket](tokens, positions, slots, *layout_tensors.tensors(), pool.keys, pool.values)
+                computed = self.graph_aux_layers
+            else:
+                hidden, aux = self.body(tokens, positions, layout_tensors, slots, pool.keys, pool.values, aux_layers)
+                computed = aux_layers
+        rows_of = [p.slot * bucket + torch.arange(p.tokens.shape[0]) for p in passes]
+        scored = [r if p.logits_rows is None else r[p.logits_rows] for p, r in zip(passes, rows_of, strict=True)]
+        logits = self.lm_head(hidden.index_select(0, torch.cat(scored))).float().split([len(r) for r in scored])
+        outputs = []
+        for p, own, own_logits in zip(passes, rows_of, logits, strict=True):
+            pool.caches[p.slot].append(p.tokens.shape[0])
+            features = select_aux(aux[own], computed, aux_layers) if aux is not None and aux_layers else None
+            outputs.append(ForwardOutput(logits=own_logits, hidden=hidden[own], aux=features))
+        return outputs
+
     def forward(  # type: ignore[override]
         self,
         tokens: torch.Tensor,  # [n]
@@ -380,20 +449,36 @@ class NativeLlama(nn.Module):
         if bucket is not None and not set(aux_layers) <= set(self.graph_aux_layers):
             bucket = None  # features of other layers: the eager body computes them
         layout = blocked_keys(mask, positions, cache.length, bucket or n) if n <= LARGE_QUERY_COUNT else None
+        keys, values = [k.unsqueeze(0) for k in cache.keys], [v.unsqueeze(0) for v in cache.values]
         with torch.no_grad():
             if bucket is None or layout is None:
                 slots = torch.arange(cache.length, cache.length + n)  # (no layout: none for any row count)
                 keyspec: Keys = mask if layout is None else layout
-                hidden, aux = self.body(tokens, positions, keyspec, slots, cache.keys, cache.values, aux_layers)
+                hidden, aux = self.body(tokens[None], positions[None], keyspec, slots[None], keys, values, aux_layers)
             else:
-                padded = pad_to_bucket(tokens, positions, cache.length, bucket)
-                hidden, aux = self.graphs[bucket](*padded, *layout.tensors(), cache.keys, cache.values)
+                padded = (row[None] for row in pad_to_bucket(tokens, positions, cache.length, bucket))
+                hidden, aux = self.graphs[bucket](*padded, *layout.tensors(), keys, values)
                 hidden = hidden[:n]
                 aux = select_aux(aux[:n], self.graph_aux_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
         scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         logits = self.lm_head(scored).float()  # [m, vocab]
         return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
+
+
+MAX_EAGER_BATCH_ROWS = 16  # rows per sequence of an eager batch pass
+
+
+@dataclass(frozen=True)
+class SequencePass:
+    """One sequence's share of a ``forward_batch`` pass: new tokens [n], positions [n], mask
+    [n, length + n] over its pool slot's cache, and optionally the rows to score [m]."""
+
+    slot: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    logits_rows: torch.Tensor | None = None
 
 
 def select_aux(aux: torch.Tensor, computed: tuple[int, ...], wanted: tuple[int, ...]) -> torch.Tensor:

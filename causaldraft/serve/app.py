@@ -27,6 +27,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.serve.metrics import Metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
 from causaldraft.serve.worker import (
+    DEFAULT_MAX_BATCH,
     Event,
     Failed,
     Finished,
@@ -190,10 +191,14 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None) -> FastAPI:
-    """An app serving ``engine``; its worker thread starts and stops with the app's lifespan."""
+def create_app(
+    engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+) -> FastAPI:  # fmt: skip
+    """An app serving ``engine``, up to ``max_batch`` requests decoded together; its worker thread
+    starts and stops with the app's lifespan."""
     metrics = Metrics()
-    worker = Worker(engine, metrics, max_queue)
+    worker = Worker(engine, metrics, max_queue, max_batch)
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="causaldraft-tokenize")
     served_model = model_name or engine.model.model_dir.name
     created = int(time.time())
@@ -226,12 +231,12 @@ def create_app(engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: s
     async def health() -> JSONResponse:
         alive = worker.alive
         body = {"status": "ok" if alive else "worker stopped", "model": served_model,
-                "queue_depth": worker.queue_depth, "running": worker.running.is_set()}  # fmt: skip
+                "queue_depth": worker.queue_depth, "running": worker.running}  # fmt: skip
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        text = metrics.render(worker.queue_depth, worker.max_queue, worker.running.is_set())
+        text = metrics.render(worker.queue_depth, worker.max_queue, worker.running)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict[str, Any]:

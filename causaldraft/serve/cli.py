@@ -6,6 +6,7 @@ import argparse
 
 from causaldraft.flags import add_drafter_flags, add_model_flags, engine_config
 from causaldraft.serve.app import DEFAULT_MAX_QUEUE
+from causaldraft.serve.worker import DEFAULT_MAX_BATCH
 
 SERVE_DEFAULT_DRAFTER = "lookup"  # switch to "markov" once trained heads ship with the default model
 
@@ -18,6 +19,8 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                        help="requests allowed to wait for the engine; more get 429")  # fmt: skip
+    serve.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                       help="requests decoded together, sharing each target pass (continuous batching)")  # fmt: skip
     serve.add_argument("--model-name", default=None, help="model id clients must send (default: model directory name)")
     serve.set_defaults(func=run_serve)
 
@@ -31,10 +34,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1:
         raise CausalDraftError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise CausalDraftError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port <= 65535:
         raise CausalDraftError(f"--port must be in [0, 65535], got {args.port}")
     engine = load(engine_config(args))
-    app = create_app(engine, max_queue=args.max_queue, model_name=args.model_name)
+    app = create_app(engine, max_queue=args.max_queue, model_name=args.model_name, max_batch=args.max_batch)
     served = args.model_name or engine.model.model_dir.name
     print(f"causaldraft: serving {served} (drafter {args.drafter}) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

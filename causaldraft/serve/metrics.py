@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from causaldraft.decode import GenerationStats
 
 OUTCOMES = ("completed", "cancelled", "rejected", "failed")
+RATE_BUCKETS = (5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)  # per-request tokens/s histogram bounds
 
 
 @dataclass
@@ -25,6 +26,12 @@ class Metrics:
     draft_positions: int = 0  # per step, the tree's depth: draft tokens that could have been accepted
     accepted_positions: int = 0  # draft tokens accepted
     generation_s: float = 0.0
+    steps: int = 0  # decoding steps (one target pass each, over every active request)
+    step_streams: int = 0  # requests in those steps, summed
+    last_batch: int = 0  # requests in the last step
+    request_rates: Counter[float] = field(default_factory=Counter)  # tokens/s bucket bound -> requests at or under it
+    request_rate_sum: float = 0.0
+    requests_timed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_response(self, path: str, status: int) -> None:
@@ -35,8 +42,19 @@ class Metrics:
         with self.lock:
             self.outcomes[outcome] += 1
 
+    def record_step(self, streams: int) -> None:
+        with self.lock:
+            self.steps += 1
+            self.step_streams += streams
+            self.last_batch = streams
+
     def record_generation(self, stats: GenerationStats, prompt_tokens: int, seconds: float) -> None:
         with self.lock:
+            rate = stats.new_tokens / seconds if seconds > 0 else 0.0
+            for bound in RATE_BUCKETS:
+                self.request_rates[bound] += int(rate <= bound)
+            self.request_rate_sum += rate
+            self.requests_timed += 1
             self.prompt_tokens += prompt_tokens
             self.generated_tokens += stats.new_tokens
             self.target_forwards += stats.target_forwards
@@ -44,7 +62,7 @@ class Metrics:
             self.accepted_positions += sum(stats.depth_accepts)
             self.generation_s += seconds
 
-    def render(self, queue_depth: int, queue_capacity: int, running: bool) -> str:
+    def render(self, queue_depth: int, queue_capacity: int, running: int) -> str:
         """Prometheus text format 0.0.4."""
         with self.lock:
             mean_accepted = self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
@@ -68,9 +86,21 @@ class Metrics:
             lines += metric("mean_accepted_length", "gauge", "tokens emitted per target pass", [("", mean_accepted)])
             lines += metric("acceptance_rate", "gauge", "accepted / drafted positions", [("", acceptance)])
             lines += metric("tokens_per_second", "gauge", "generated tokens / generation time", [("", tokens_per_s)])
+            lines += metric("batch_steps_total", "counter", "decoding steps (one target pass each)", [("", self.steps)])
+            lines += metric("batch_streams_total", "counter", "requests decoded in those steps, summed",
+                            [("", self.step_streams)])  # fmt: skip
+            mean_batch = self.step_streams / self.steps if self.steps else 0.0
+            lines += metric("batch_size_mean", "gauge", "requests per decoding step, on average", [("", mean_batch)])
+            lines += metric("batch_size", "gauge", "requests in the last decoding step", [("", self.last_batch)])
+            buckets = [(f'le="{bound:g}"', self.request_rates[bound]) for bound in RATE_BUCKETS]
+            buckets.append(('le="+Inf"', self.requests_timed))
+            lines += metric("request_tokens_per_second", "histogram", "each finished request's tokens/s", [])
+            lines += [f"causaldraft_request_tokens_per_second_bucket{{{labels}}} {count}" for labels, count in buckets]
+            lines.append(f"causaldraft_request_tokens_per_second_sum {format_value(self.request_rate_sum)}")
+            lines.append(f"causaldraft_request_tokens_per_second_count {self.requests_timed}")
         lines += metric("queue_depth", "gauge", "requests waiting for the engine", [("", queue_depth)])
         lines += metric("queue_capacity", "gauge", "size of the bounded queue", [("", queue_capacity)])
-        lines += metric("requests_running", "gauge", "requests being generated now", [("", int(running))])
+        lines += metric("requests_running", "gauge", "requests being generated now", [("", running)])
         return "\n".join(lines) + "\n"
 
 

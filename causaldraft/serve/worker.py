@@ -1,11 +1,13 @@
-"""The single engine worker: one thread takes jobs from a bounded FIFO queue and runs them.
+"""The engine worker: one thread runs the active requests together (continuous batching).
 
 The engine is not thread-safe, so only this thread touches it. Prompts are tokenized and checked
 against the context before a job is queued (``prepare``, on another thread), so a huge or invalid
-request never stalls the engine. A job reports events through a
-thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``Piece`` (text delta), then exactly
-one of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client went away)
-stops at the next decoding step, or is skipped if it has not started yet.
+request never stalls the engine. The thread keeps up to ``max_batch`` jobs in a ``batch.Batch``:
+each loop admits waiting jobs while there is room (their prefill runs then), runs one decoding step
+of every active job in one target pass, and delivers what each produced. A job reports events
+through a thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``Piece`` (text delta),
+then exactly one of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client
+went away) leaves the batch at the next step, or is skipped if it has not started yet.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from causaldraft.api import Completion, Engine
+from causaldraft.batch import Batch, Stream
 from causaldraft.errors import CausalDraftError
 from causaldraft.serve.metrics import Metrics
 
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # chat has no OpenAI default: capped by the context left
+DEFAULT_MAX_BATCH = 8  # requests decoded together
 
 
 class QueueFull(Exception):
@@ -92,19 +96,23 @@ class Job:
 
 
 class Worker:
-    """Owns the engine and the queue; ``submit`` is safe from any thread."""
+    """Owns the engine, the batch and the queue; ``submit`` is safe from any thread."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         if max_queue < 1:
             raise CausalDraftError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch < 1:
+            raise CausalDraftError(f"max_batch must be >= 1, got {max_batch}")
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.batch = Batch(engine, max_batch, self.context_length)
         self.jobs: queue.Queue[Job] = queue.Queue()
-        # admitted jobs: the one running plus at most max_queue waiting (a job counts from submit,
-        # so a burst that arrives before the worker picks its first job is counted right)
-        self.admitted = threading.BoundedSemaphore(max_queue + 1)
-        self.running = threading.Event()  # a job is being served
+        # admitted jobs: those running plus at most max_queue waiting (a job counts from submit, so
+        # a burst that arrives before the worker picks its first jobs is counted right)
+        self.admitted = threading.BoundedSemaphore(max_queue + max_batch)
+        self.active: dict[int, Active] = {}  # stream ident -> its job
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop, name="causaldraft-engine", daemon=True)
 
@@ -115,6 +123,11 @@ class Worker:
     @property
     def queue_depth(self) -> int:
         return self.jobs.qsize()
+
+    @property
+    def running(self) -> int:
+        """Requests being generated now."""
+        return len(self.active)
 
     @property
     def alive(self) -> bool:
@@ -159,61 +172,92 @@ class Worker:
 
     def loop(self) -> None:
         while not self.stopping.is_set():
-            try:
-                job = self.jobs.get(timeout=0.2)
-            except queue.Empty:
+            self.admit()
+            if not self.active:
                 continue
-            self.running.set()
             try:
-                self.serve(job)
-            finally:
-                self.running.clear()
+                self.batch.step()
+            except Exception as error:  # the worker must survive any fault; the step's jobs fail
+                log.exception("a decoding step failed")
+                for ident in list(self.active):
+                    self.leave(ident, "failed", Failed(500, f"internal error: {type(error).__name__}: {error}"))
+                continue
+            if self.batch.last_step is not None:
+                self.metrics.record_step(self.batch.last_step.streams)
+            self.flush()
+
+    def admit(self) -> None:
+        """Start waiting jobs while the batch has room (blocking briefly when it is idle)."""
+        while self.batch.free and not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.2) if not self.active else self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job.cancelled.is_set():
+                self.metrics.record_outcome("cancelled")
                 self.admitted.release()
+                continue
+            self.begin(job)
 
-    def serve(self, job: Job) -> None:
-        """Run one job; every failure becomes a ``Failed`` event, never a dead worker."""
-        if job.cancelled.is_set():
-            self.metrics.record_outcome("cancelled")
-            return
-        try:
-            outcome = self.generate(job)
-        except CausalDraftError as error:
-            outcome = "rejected"
-            self.deliver(job, Failed(400, str(error), param_of(str(error), job.request.request)))
-        except Exception as error:  # the worker must survive any fault of one request
-            log.exception("generation failed")
-            outcome = "failed"
-            self.deliver(job, Failed(500, f"internal error: {type(error).__name__}: {error}"))
-        self.metrics.record_outcome(outcome)
-
-    def generate(self, job: Job) -> str:
+    def begin(self, job: Job) -> None:
+        """Check and prefill one job into the batch; a failure is reported and never kills the worker."""
         request, prompt_ids, max_tokens = job.request.request, job.request.prompt_ids, job.request.max_tokens
-        engine = self.engine
         self.deliver(job, Started(len(prompt_ids), max_tokens))
-        started = time.perf_counter()
-        events = engine.events(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
-                               top_p=request.top_p, seed=request.seed, stop=request.stop)  # fmt: skip
-        completion_tokens = 0
         try:
-            for item in events:
+            stream = self.batch.add(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
+                                    top_p=request.top_p, seed=request.seed, stop=request.stop)  # fmt: skip
+        except CausalDraftError as error:
+            self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
+            return
+        except Exception as error:
+            log.exception("starting a generation failed")
+            self.end(job, "failed", Failed(500, f"internal error: {type(error).__name__}: {error}"))
+            return
+        self.active[stream.ident] = Active(job, stream, time.perf_counter())
+
+    def flush(self) -> None:
+        """Deliver what each job's stream produced; finished and cancelled jobs leave the batch."""
+        for ident, active in list(self.active.items()):
+            if active.job.cancelled.is_set():
+                self.leave(ident, "cancelled", None)
+                continue
+            for item in active.stream.events:
                 if isinstance(item, Completion):
-                    self.metrics.record_generation(item.stats, item.prompt_tokens, time.perf_counter() - started)
-                    self.deliver(job, Finished(item.finish_reason, item.prompt_tokens, completion_tokens))
-                    return "completed"
-                completion_tokens += len(item.token_ids)
-                self.deliver(job, Piece(item.text, len(item.token_ids)))
-                if job.cancelled.is_set():
-                    return "cancelled"
-        finally:
-            if isinstance(events, Generator):
-                events.close()
-        raise AssertionError("Engine.events ends with a Completion")
+                    seconds = time.perf_counter() - active.started
+                    self.metrics.record_generation(item.stats, item.prompt_tokens, seconds)
+                    done = Finished(item.finish_reason, item.prompt_tokens, active.completion_tokens)
+                    self.leave(ident, "completed", done)
+                    break
+                active.completion_tokens += len(item.token_ids)
+                self.deliver(active.job, Piece(item.text, len(item.token_ids)))
+            active.stream.events.clear()
+
+    def leave(self, ident: int, outcome: str, event: Event | None) -> None:
+        active = self.active.pop(ident)
+        self.batch.remove(active.stream)
+        self.end(active.job, outcome, event)
+
+    def end(self, job: Job, outcome: str, event: Event | None) -> None:
+        if event is not None:
+            self.deliver(job, event)
+        self.metrics.record_outcome(outcome)
+        self.admitted.release()
 
     def deliver(self, job: Job, event: Event) -> None:
         try:
             job.deliver(event)
         except RuntimeError:  # the server's event loop is gone (shutdown): nobody is listening
             job.cancelled.set()
+
+
+@dataclass
+class Active:
+    """A job in the batch: its stream, when it started and the tokens delivered so far."""
+
+    job: Job
+    stream: Stream
+    started: float
+    completion_tokens: int = 0
 
 
 def param_of(message: str, request: GenerationRequest) -> str | None:

@@ -1,0 +1,261 @@
+"""Continuous batching: the steps of several requests share one target pass.
+
+A ``Batch`` holds up to ``size`` streams (requests being decoded), each with its own drafter
+(``Drafter.fork``), adaptation state and pool slot (``cache.CachePool``). One ``step``:
+
+1. every stream drafts its tree, sized by its budget policy with its *share* of the combined pass's
+   measured cost (the pass over k streams of R rows each costs ``cost(R)``; each stream is charged
+   ``cost(R) / k``), so a big batch leaves less room for speculation per stream and, at some load,
+   plain decoding of every stream wins;
+2. one target pass verifies all the trees (``NativeLlama.forward_batch``: ragged, each stream with
+   its own cache rows, positions and tree mask; no attention across streams); a lone stream, or a
+   backend without batch passes, runs its own pass;
+3. each stream accepts, commits and emits on its own.
+
+Streams join (``add``: the prompt's prefill runs as its own pass) and leave (``remove``) between
+steps. Every row of a batch pass is bit for bit the row of the stream's own pass
+(docs/exactness.md), so a stream's greedy or Gumbel-sampled output is the same whatever else runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from causaldraft.adapt import VerifyCost, plausible_calibration
+from causaldraft.api import Completion, Engine, Generation, RequestRun, StreamPiece
+from causaldraft.cache import CachePool
+from causaldraft.decode import StepTiming, accept_pass, draft_step, finish_step, tree_pass
+from causaldraft.drafters.base import Draft
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.base import ForwardOutput
+from causaldraft.models.compiled import compile_batch
+from causaldraft.models.native import NativeLlama, SequencePass
+
+Event = StreamPiece | Completion
+
+
+@dataclass
+class Stream:
+    """One request in a batch: its run, pool slot (None without a pool) and undelivered events."""
+
+    ident: int
+    run: RequestRun
+    slot: int | None
+    events: list[Event] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.run.done or self.cancelled
+
+
+@dataclass(frozen=True)
+class StepReport:
+    streams: int  # streams in the step's pass
+    rows: int  # rows per stream of the pass (the largest tree)
+    seconds: float
+
+
+class Batch:
+    """Up to ``size`` concurrent streams of one engine, advanced one step at a time.
+
+    ``context``: the most tokens (prompt + output) a stream may hold; the pool is allocated for
+    ``size`` such streams. ``cost``: the measured cost of a batch pass by rows per stream (default:
+    measured now, or read from beside the compiled graphs)."""
+
+    def __init__(self, engine: Engine, size: int, context: int, cost: VerifyCost | None = None) -> None:
+        if size < 1:
+            raise CausalDraftError(f"the batch size must be >= 1, got {size}")
+        self.engine = engine
+        backend = engine.model.backend
+        self.backend = backend if isinstance(backend, NativeLlama) and size > 1 else None
+        if self.backend is not None and self.backend.compiled and self.backend.batch_sequences != size:
+            compile_batch(self.backend, size)  # built once per model, dtype, CPU and batch size
+        self.context = min(context, backend.shape.max_positions)
+        # a pool slot holds the context plus a tree's scratch rows
+        slot_length = self.context + engine.decoder.tree.max_nodes + 1
+        self.pool: CachePool | None = self.backend.new_pool(size, slot_length) if self.backend else None
+        self.size = size
+        self.streams: list[Stream] = []
+        self.cost = cost or (batch_cost(engine, size) if self.backend else engine.decoder.cost)
+        self.next_ident = 0
+        self.last_step: StepReport | None = None
+        self.largest_step = 0  # the most streams one pass has served
+
+    @property
+    def free(self) -> int:
+        return self.size - len(self.streams)
+
+    def add(self, prompt: str | Sequence[int], **options: Any) -> Stream:
+        """Start a stream (checks the request, prefills its prompt); raises CausalDraftError for
+        bad input or a full batch, leaving the batch as it was."""
+        if self.free < 1:
+            raise CausalDraftError(f"the batch is full ({self.size} streams)")
+        engine = self.engine
+        decoder = replace(engine.decoder, drafter=engine.decoder.drafter.fork())
+        slot = self.pool.take() if self.pool is not None else None
+        try:
+            cache = self.pool.caches[slot] if self.pool is not None and slot is not None else None
+            run = engine.start(prompt, decoder=decoder, cache=cache, **options)
+        except BaseException:
+            if self.pool is not None and slot is not None:
+                self.pool.release(slot)
+            raise
+        stream = Stream(self.next_ident, run, slot)
+        self.next_ident += 1
+        self.streams.append(stream)
+        return stream
+
+    def remove(self, stream: Stream) -> None:
+        """Take a stream out (finished or cancelled) and free its slot."""
+        if stream in self.streams:
+            self.streams.remove(stream)
+            if self.pool is not None and stream.slot is not None:
+                self.pool.release(stream.slot)
+
+    def step(self) -> list[Stream]:
+        """One decoding step of every live stream; returns the streams that finished in it (still
+        in the batch until removed, their ``events`` ending with a Completion)."""
+        live = [stream for stream in self.streams if not stream.done]
+        if not live:
+            return []
+        shared = self.backend is not None and len(live) > 1
+        drafts, draft_seconds = [], []
+        for stream in live:
+            started = time.perf_counter()
+            drafts.append(self.draft(stream, len(live) if shared else 1))
+            draft_seconds.append(time.perf_counter() - started)
+        prefixes = [stream.run.state.cache.length for stream in live]
+        inputs = [tree_pass(draft, prefix) for draft, prefix in zip(drafts, prefixes, strict=True)]
+        started = time.perf_counter()
+        outputs = self.verify(live, inputs, shared)
+        seconds = time.perf_counter() - started
+        rows = max(draft.tree.size for draft in drafts)
+        if shared:
+            self.cost.update(rows, seconds)
+        self.last_step = StepReport(len(live), rows, seconds)
+        self.largest_step = max(self.largest_step, len(live) if shared else 1)
+        finished = []
+        for stream, draft, prefix, pass_inputs, out, drafted in zip(
+            live, drafts, prefixes, inputs, outputs, draft_seconds, strict=True
+        ):
+            run = stream.run
+            acceptance = accept_pass(run.decoder, run.state, draft, pass_inputs, out, run.sampling)
+            timing = StepTiming(drafted, seconds / len(live))
+            emitted = finish_step(run.decoder, run.state, run.policy, draft, prefix, acceptance, out,
+                                  run.max_new_tokens, timing)  # fmt: skip
+            stream.events.extend(run.absorb(emitted) if emitted else [])
+            if run.done:
+                stream.events.extend(run.finish())
+                finished.append(stream)
+        return finished
+
+    def draft(self, stream: Stream, sharing: int) -> Draft:
+        """The stream's tree for this step: with its share of a batch pass's cost and no more rows
+        than a batch pass takes (beyond them the pass would not be row-invariant)."""
+        run = stream.run
+        policy = run.policy
+        if sharing > 1 and self.backend is not None:
+            share = {rows: seconds / sharing for rows, seconds in self.cost.seconds.items()}
+            policy.cost = VerifyCost(share, buckets=self.cost.buckets)
+            policy.tree = replace(run.decoder.tree, max_nodes=min(run.decoder.tree.max_nodes, self.backend.batch_rows))
+        else:
+            policy.cost, policy.tree = run.decoder.cost, run.decoder.tree
+        draft = draft_step(run.decoder, run.state, policy, run.sampling)
+        if draft.tree.size > policy.tree.max_nodes:  # a drafter over its budget: verify the root alone
+            return Draft.root_only(run.state.tokens[-1])
+        return draft
+
+    def verify(self, live: list[Stream], inputs: list[Any], shared: bool) -> list[ForwardOutput]:
+        aux_layers = self.engine.decoder.drafter.feature_layers
+        if shared and self.backend is not None and self.pool is not None:
+            passes = [SequencePass(stream.slot, i.tokens, i.positions, i.mask)
+                      for stream, i in zip(live, inputs, strict=True) if stream.slot is not None]  # fmt: skip
+            return self.backend.forward_batch(self.pool, passes, aux_layers)
+        target = self.engine.decoder.target
+        return [
+            target.forward(i.tokens, i.positions, i.mask, stream.run.state.cache, aux_layers=aux_layers)
+            for stream, i in zip(live, inputs, strict=True)
+        ]
+
+
+def batch_cost(engine: Engine, size: int) -> VerifyCost:
+    """The measured cost of a batch pass over ``size`` streams by rows per stream, kept beside
+    the compiled graphs (measured once) or timed now when eager."""
+    backend = engine.model.backend
+    assert isinstance(backend, NativeLlama)
+    store = backend.calibration
+    aux_layers = engine.decoder.drafter.feature_layers
+    name = f"batch={size} aux_layers={list(aux_layers)}"
+    if store is not None:
+        seconds = store.read_calibration(name)
+        if seconds and plausible_calibration(seconds):
+            return VerifyCost(seconds, buckets=tuple(sorted(backend.batch_graphs)))
+    cost = measure_batch_cost(backend, size, aux_layers)
+    if store is not None:
+        store.write_calibration(name, cost.seconds)
+    return cost
+
+
+def measure_batch_cost(
+    backend: NativeLlama, size: int, aux_layers: tuple[int, ...], context: int = 128, repeats: int = 2
+) -> VerifyCost:
+    """Time batch passes over ``size`` streams of R rows each after a ``context``-token prefix."""
+    pool = backend.new_pool(size, context + backend.batch_rows + 1)
+    prefix = torch.zeros(context, dtype=torch.long)
+    for cache in pool.caches:
+        backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
+    buckets = tuple(sorted(backend.batch_graphs)) or (1, 2, 4, 8, 16)
+    cost = VerifyCost(buckets=tuple(sorted(backend.batch_graphs)))
+    for rows in buckets:
+        positions = torch.arange(context, context + rows)
+        mask = torch.ones(rows, context + rows, dtype=torch.bool).tril(context)
+        passes = [SequencePass(slot, torch.zeros(rows, dtype=torch.long), positions, mask) for slot in range(size)]
+        timings = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            backend.forward_batch(pool, passes, aux_layers)
+            timings.append(time.perf_counter() - started)
+            for cache in pool.caches:
+                cache.rollback(context)
+        cost.seconds[rows] = min(timings[1:])
+    return cost
+
+
+def generate_batch(
+    engine: Engine, prompts: Sequence[str | Sequence[int]], size: int = 8, batch: Batch | None = None,
+    **options: Any,
+) -> list[Generation]:  # fmt: skip
+    """Generate for every prompt, ``size`` at a time in one batch (new prompts join as others
+    finish); returns the generations in the prompts' order. Options: those of ``Engine.start``.
+    ``batch``: one to run in (default: a new one with room for the longest prompt)."""
+    if batch is None:
+        chat = bool(options.get("chat"))
+        longest = max((len(engine.encode(prompt, chat)) for prompt in prompts), default=1)
+        batch = Batch(engine, size, longest + int(options.get("max_new_tokens", 256)))
+    waiting = list(enumerate(prompts))
+    results: dict[int, Generation] = {}
+    owner: dict[int, int] = {}  # stream ident -> prompt index
+    while waiting or batch.streams:
+        while waiting and batch.free:
+            index, prompt = waiting.pop(0)
+            owner[batch.add(prompt, **options).ident] = index
+        for stream in batch.step():
+            results[owner[stream.ident]] = as_generation(stream.events)
+            batch.remove(stream)
+    return [results[index] for index in range(len(prompts))]
+
+
+def as_generation(events: list[Event]) -> Generation:
+    """A finished stream's events as one ``Generation``."""
+    completion = events[-1]
+    assert isinstance(completion, Completion)
+    pieces = [event for event in events if isinstance(event, StreamPiece)]
+    text = "".join(piece.text for piece in pieces)
+    ids = [token for piece in pieces for token in piece.token_ids]
+    return Generation(text, ids, completion.stats, completion.finish_reason)

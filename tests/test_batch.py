@@ -1,0 +1,190 @@
+"""Continuous batching: every stream of a batch gets exactly the output it would get alone
+(``NativeLlama.forward_batch``, ``batch.Batch``, ``generate_batch`` and the batched server)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from causaldraft.adapt import VerifyCost
+from causaldraft.api import Engine, load
+from causaldraft.batch import Batch, generate_batch
+from causaldraft.errors import CausalDraftError
+from causaldraft.models.blocked import KEY_BLOCK, pass_room
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_batch, compile_model
+from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.native import NativeLlama, SequencePass, default_aux_layers
+from causaldraft.serve.app import create_app
+from causaldraft.serve.metrics import parse_metrics
+from causaldraft.serve.server import BackgroundServer
+from tests.test_eagle3 import layer_dir
+from tests.test_exact import decoy_tree
+from tests.test_heads import random_heads_dir
+
+LOW_PRECISION = ["bfloat16", "int8", "int4"]
+# prefixes whose heads differ (none, one block, two blocks), so a batch pass pads heads
+PREFIXES = [30, KEY_BLOCK + 5, 2 * KEY_BLOCK + 2]
+# prompts of different lengths (the tiny tokenizer is bytes: a token per character)
+PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat " * 3, "abcabcabc", "xyz " * 40, "q"]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
+    return {dtype: load_model(str(tiny_llama_dir), "native", dtype) for dtype in LOW_PRECISION}
+
+
+def backend_of(loaded: LoadedModel) -> NativeLlama:
+    assert isinstance(loaded.backend, NativeLlama)
+    return loaded.backend
+
+
+def prefill(backend: NativeLlama, prompt: list[int], cache: object) -> None:
+    n = len(prompt)
+    backend.forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)  # type: ignore[arg-type]
+
+
+def assert_batch_rows_match_own_passes(backend: NativeLlama, pool_size: int) -> None:
+    """Sequences with different heads, each a chain among decoys (different row counts), in one
+    batch pass: every row's features, hidden state and logits equal its sequence's own pass."""
+    layers = backend.graph_aux_layers or default_aux_layers(backend.llama_shape.num_layers)
+    generator = torch.Generator().manual_seed(0)
+    pool = backend.new_pool(pool_size, 256)
+    passes, expected = [], []
+    for index, prefix in enumerate(PREFIXES):
+        prompt = torch.randint(3, 259, (prefix,), generator=generator).tolist()
+        depth = min(1 + index, pass_room(prefix), backend.batch_rows // 2)
+        chain = torch.randint(3, 259, (depth,), generator=generator).tolist()
+        tokens, positions, mask = decoy_tree(chain, prefix)
+        own = backend.new_cache(256)
+        prefill(backend, prompt, own)
+        expected.append(backend.forward(tokens, positions, mask, own, aux_layers=layers))
+        slot = pool.take()
+        prefill(backend, prompt, pool.caches[slot])
+        passes.append(SequencePass(slot, tokens, positions, mask))
+    outputs = backend.forward_batch(pool, passes, layers)
+    for index, (out, own_out, one) in enumerate(zip(outputs, expected, passes, strict=True)):
+        assert out.aux is not None and own_out.aux is not None
+        assert torch.equal(out.aux, own_out.aux), index
+        assert torch.equal(out.hidden, own_out.hidden), index
+        assert torch.equal(out.logits, own_out.logits), index
+        assert pool.caches[one.slot].length == PREFIXES[index] + one.tokens.shape[0]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_eager_batch_rows_equal_each_sequences_own_pass(models: dict[str, LoadedModel], dtype: str) -> None:
+    assert_batch_rows_match_own_passes(backend_of(models[dtype]), pool_size=4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+def test_compiled_batch_rows_equal_each_sequences_own_pass(tiny_llama_dir: Path, graph_root: Path, dtype: str) -> None:
+    """The batch graph (4 sequences) against the one-sequence graphs."""
+    backend = backend_of(load_model(str(tiny_llama_dir), "native", dtype))
+    layers = default_aux_layers(backend.llama_shape.num_layers)
+    buckets = (1, 4) if backend.quantized else (2, 4)
+    store = GraphStore(GraphKey.of(backend, layers), graph_root)
+    compile_model(backend, buckets=buckets, store=store, progress=False)
+    compile_batch(backend, 4, progress=False)
+    assert backend.batch_graphs and backend.batch_sequences == 4
+    assert_batch_rows_match_own_passes(backend, pool_size=4)
+
+
+def engine_for(loaded: LoadedModel, drafter: str, tmp_path: Path) -> Engine:
+    options: dict[str, object] = {"draft_layers": 2}
+    if drafter in ("markov", "medusa"):
+        options["heads"] = str(random_heads_dir(loaded, drafter, tmp_path / drafter))
+    if drafter == "eagle3":
+        options["heads"] = str(layer_dir(loaded, tmp_path / drafter))
+    return load(loaded=loaded, drafter=drafter, calibrate=False, fallback=False, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("drafter", ["none", "lookup", "draft", "markov", "medusa", "eagle3"])
+def test_generate_batch_equals_each_prompts_own_generation(
+    models: dict[str, LoadedModel], tmp_path: Path, dtype: str, drafter: str
+) -> None:
+    """Five prompts through a batch of three (streams join as others finish): token-identical to
+    generating each alone, and the batch really shared passes."""
+    engine = engine_for(models[dtype], drafter, tmp_path)
+    expected = [engine.generate(prompt, max_new_tokens=60).token_ids for prompt in PROMPTS]
+    batch = Batch(engine, 3, context=512, cost=VerifyCost({1: 1.0, 4: 1.0}))
+    results = generate_batch(engine, PROMPTS, size=3, max_new_tokens=60, batch=batch)
+    assert [result.token_ids for result in results] == expected
+    assert batch.largest_step == 3
+
+
+def test_seeded_sampling_in_a_batch_is_the_streams_own(models: dict[str, LoadedModel]) -> None:
+    """Gumbel-sampled streams draw each position's noise from their own seed: the same tokens."""
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False)
+    options = {"max_new_tokens": 40, "temperature": 0.9, "top_p": 0.95}
+    expected = [engine.generate(prompt, seed=seed, **options).token_ids for seed, prompt in enumerate(PROMPTS)]
+    batch = Batch(engine, 4, context=512)
+    streams = [batch.add(prompt, seed=seed, **options) for seed, prompt in enumerate(PROMPTS[:4])]
+    while any(not stream.done for stream in streams):
+        batch.step()
+    got = [[token for event in stream.events for token in getattr(event, "token_ids", [])] for stream in streams]
+    assert got == expected[:4]
+
+
+def test_bad_input_and_a_full_batch_leave_the_batch_as_it_was(models: dict[str, LoadedModel]) -> None:
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False)
+    batch = Batch(engine, 2, context=128)
+    assert batch.pool is not None
+    with pytest.raises(CausalDraftError, match="temperature"):
+        batch.add("abc", temperature=-1.0)
+    with pytest.raises(CausalDraftError, match="context"):
+        batch.add("a" * 120, max_new_tokens=64)
+    assert batch.free == 2 and len(batch.pool.free) == 2
+    first, second = batch.add("abc", max_new_tokens=4), batch.add("abd", max_new_tokens=4)
+    with pytest.raises(CausalDraftError, match="full"):
+        batch.add("abe")
+    batch.remove(first)
+    assert batch.free == 1 and batch.pool.free == [first.slot]
+    batch.step()
+    assert second.events
+
+
+def test_an_expensive_batch_pass_makes_streams_decode_plainly(models: dict[str, LoadedModel]) -> None:
+    """The cost model decides per batch: when every extra row per stream costs ten one-row passes,
+    the streams stop speculating (and stay token-identical)."""
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False)
+    prompt = PROMPTS[2] * 3
+    expected = engine.generate(prompt, max_new_tokens=80).token_ids
+    costly = VerifyCost({1: 0.01, 2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8})
+    batch = Batch(engine, 2, context=512, cost=costly)
+    streams = [batch.add(prompt, max_new_tokens=80) for _ in range(2)]
+    while any(not stream.done for stream in streams):
+        batch.step()
+    for stream in streams:
+        assert [token for event in stream.events for token in getattr(event, "token_ids", [])] == expected
+        steps = stream.run.state.stats.steps
+        assert sum(step.nodes == 1 for step in steps) > len(steps) // 2
+
+
+def test_batched_server_answers_concurrent_requests_as_alone(tiny_llama_dir: Path) -> None:
+    """Four concurrent requests to a server batching four: each answer is the request's own, and
+    /metrics shows steps that served several requests."""
+    engine = load(model=str(tiny_llama_dir), dtype="bfloat16", drafter="lookup", calibrate=False)
+    reference = load(model=str(tiny_llama_dir), dtype="bfloat16", drafter="none", calibrate=False)
+    prompts = PROMPTS[:4]
+    expected = [reference.generate(prompt, max_new_tokens=48).text for prompt in prompts]
+    answers: dict[int, str] = {}
+    with BackgroundServer(create_app(engine, max_queue=4, model_name="tiny", max_batch=4)) as server:
+
+        def ask(index: int) -> None:
+            body = {"model": "tiny", "prompt": prompts[index], "max_tokens": 48, "temperature": 0}
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            answers[index] = reply.json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(index,)) for index in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        metrics = parse_metrics(httpx.get(f"{server.url}/metrics").text)
+    assert [answers.get(index) for index in range(len(prompts))] == expected
+    assert metrics["causaldraft_batch_size_mean"] > 1.0
+    assert metrics["causaldraft_request_tokens_per_second_count"] == len(prompts)

@@ -18,7 +18,7 @@ import math
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from urllib.parse import urlparse
 
 import httpx
@@ -48,6 +48,7 @@ class Outcome:
     latency_s: float
     first_token_s: float | None  # streamed requests only
     completion_tokens: int
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class Report:
     server_mean_accepted_length: float | None
     server_acceptance_rate: float | None
     server_tokens_per_s: float | None  # while generating: the engine's own speed, without queueing
+    server_batch_size_mean: float | None  # requests per decoding step
+    outputs_checked: int  # --check-outputs: completed requests compared with the same request sent alone
+    outputs_differing: int
+    bad_sent: int  # --bad-every: malformed requests mixed into the load
+    bad_answered_4xx: int
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -85,9 +91,12 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, object], stream
             latency = time.perf_counter() - started
             if response.status_code != 200:
                 return Outcome(False, str(response.status_code), latency, None, 0)
-            return Outcome(True, "", latency, None, int(response.json()["usage"]["completion_tokens"]))
+            reply = response.json()
+            text = reply["choices"][0]["message"]["content"] or ""
+            return Outcome(True, "", latency, None, int(reply["usage"]["completion_tokens"]), text)
         first_token: float | None = None
         tokens = 0
+        pieces: list[str] = []
         streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
             if response.status_code != 200:
@@ -99,13 +108,47 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, object], stream
                 chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     return Outcome(False, "stream-error", time.perf_counter() - started, first_token, tokens)
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first_token is None:
-                    first_token = time.perf_counter() - started
+                content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                if content:
+                    pieces.append(content)
+                    first_token = first_token if first_token is not None else time.perf_counter() - started
                 if chunk.get("usage"):
                     tokens = int(chunk["usage"]["completion_tokens"])
-        return Outcome(True, "", time.perf_counter() - started, first_token, tokens)
+        return Outcome(True, "", time.perf_counter() - started, first_token, tokens, "".join(pieces))
     except httpx.HTTPError as error:
         return Outcome(False, type(error).__name__, time.perf_counter() - started, None, 0)
+
+
+# malformed requests mixed into the load (--bad-every): each must get a 4xx and disturb nothing
+BAD_BODIES: tuple[dict[str, object], ...] = (
+    {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+    {"messages": []},
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "top_p": 7},
+)
+
+
+def request_body(model: str, index: int, args: argparse.Namespace) -> dict[str, object]:
+    prompt = PROMPTS[index % len(PROMPTS)]
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "seed": index}  # fmt: skip
+
+
+def reference_key(body: dict[str, object]) -> str:
+    """Requests that must get the same answer: same prompt, and same seed when sampling."""
+    same = {key: value for key, value in body.items() if key != "seed" or body.get("temperature")}
+    return json.dumps(same, sort_keys=True)
+
+
+async def bad_request(client: httpx.AsyncClient, model: str, index: int) -> bool:
+    """Send one malformed request; True when it got a 4xx."""
+    body = {"model": model, **BAD_BODIES[index % len(BAD_BODIES)]}
+    try:
+        response = await client.post("/v1/chat/completions", json=body)
+    except httpx.HTTPError:
+        return False
+    return 400 <= response.status_code < 500
 
 
 async def run_load(url: str, args: argparse.Namespace) -> Report:
@@ -113,8 +156,15 @@ async def run_load(url: str, args: argparse.Namespace) -> Report:
     limits = httpx.Limits(max_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        alone: dict[str, str] = {}  # --check-outputs: each distinct request's answer when sent alone
+        if args.check_outputs:
+            for index in range(args.requests):
+                body = request_body(model, index, args)
+                if reference_key(body) not in alone:
+                    alone[reference_key(body)] = (await one_request(client, body, False)).text
         gate = asyncio.Semaphore(args.concurrency)
-        outcomes: list[Outcome] = []
+        outcomes: list[tuple[str, Outcome]] = []
+        bad: list[bool] = []
         started = time.perf_counter()
         deadline = started + args.duration
 
@@ -122,19 +172,30 @@ async def run_load(url: str, args: argparse.Namespace) -> Report:
             async with gate:
                 if time.perf_counter() >= deadline:
                     return
-                prompt = PROMPTS[index % len(PROMPTS)]
-                body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                        "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": index}  # fmt: skip
-                outcomes.append(await one_request(client, body, args.stream))
+                body = request_body(model, index, args)
+                outcomes.append((reference_key(body), await one_request(client, body, args.stream)))
 
+        async def bad_worker(index: int) -> None:
+            await asyncio.sleep(0.5 * index)  # spread over the run, while the good requests are served
+            bad.append(await bad_request(client, model, index))
+
+        bad_count = args.requests // args.bad_every if args.bad_every else 0
         tasks = [asyncio.create_task(worker(index)) for index in range(args.requests)]
+        tasks += [asyncio.create_task(bad_worker(index)) for index in range(bad_count)]
         _, pending = await asyncio.wait(tasks, timeout=args.duration)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - started
-        server = parse_metrics((await client.get("/metrics")).text)
-    return summarise(outcomes, args.requests, wall, len(pending), server)
+        metrics = await client.get("/metrics")
+        try:  # a server other than causaldraft's (e.g. llama-server) may lack its Prometheus /metrics
+            server = parse_metrics(metrics.text) if metrics.status_code == 200 else {}
+        except ValueError:
+            server = {}
+    checked = [alone[key] == outcome.text for key, outcome in outcomes if outcome.ok and key in alone]
+    report = summarise([outcome for _, outcome in outcomes], args.requests, wall, len(pending), server)
+    return replace(report, outputs_checked=len(checked), outputs_differing=checked.count(False),
+                   bad_sent=len(bad), bad_answered_4xx=sum(bad))  # fmt: skip
 
 
 def summarise(outcomes: list[Outcome], requests: int, wall: float, cut: int, server: dict[str, float]) -> Report:
@@ -161,6 +222,11 @@ def summarise(outcomes: list[Outcome], requests: int, wall: float, cut: int, ser
         server_mean_accepted_length=server.get("causaldraft_mean_accepted_length"),
         server_acceptance_rate=server.get("causaldraft_acceptance_rate"),
         server_tokens_per_s=server.get("causaldraft_tokens_per_second"),
+        server_batch_size_mean=server.get("causaldraft_batch_size_mean"),
+        outputs_checked=0,
+        outputs_differing=0,
+        bad_sent=0,
+        bad_answered_4xx=0,
     )
 
 
@@ -181,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=300.0, help="hard cap on the whole run, seconds")
     parser.add_argument("--stream", action="store_true", help="stream responses and measure time to first token")
     parser.add_argument("--max-queue", type=int, default=64, help="in-process server's queue size")
+    parser.add_argument("--max-batch", type=int, default=8, help="in-process server's batch size")
+    parser.add_argument("--check-outputs", action="store_true",
+                        help="first send each distinct request alone; count load answers that differ")  # fmt: skip
+    parser.add_argument("--bad-every", type=int, default=0,
+                        help="mix one malformed request per this many good ones (each must get a 4xx)")  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the report to this file")
     add_model_flags(parser)
     add_drafter_flags(parser, default_drafter=SERVE_DEFAULT_DRAFTER)
@@ -199,14 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         from causaldraft.serve.server import BackgroundServer
 
         engine = load(engine_config(args))
-        with BackgroundServer(create_app(engine, max_queue=args.max_queue)) as server:
+        app = create_app(engine, max_queue=args.max_queue, max_batch=args.max_batch)
+        with BackgroundServer(app) as server:
             report = asyncio.run(run_load(server.url, args))
     payload = asdict(report)
     print(json.dumps(payload, indent=2))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=2)
-    return 0 if not report.errors else 1
+    failed = report.errors or report.outputs_differing or report.bad_answered_4xx < report.bad_sent
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ pass. Then, for every row:
   ``KEY_BLOCK`` positions, unseen ones adding exact zeros at the end), so a tree's siblings change
   nothing.
 
+Several sequences (continuous batching) share one pass: every tensor gets a leading sequence
+dimension, each sequence reads and writes its own cache row, and its rows attend to its own keys
+only. Their heads differ in length, so the pass uses the longest, T, and a sequence with a shorter
+head T_s sees head columns [0, T_s) and not [T_s, T): the masked columns add exact zeros at the end
+of the head's sum and of the head's product, which leaves every lane's partial sums as they are
+(measured: bit-identical to the sequence's own pass, eager and compiled, bf16, int8 and int4). Its
+tail slots are absolute (T_s + offset), so its tail is read where its own cache holds it.
+
 Worked example (KEY_BLOCK = 4 for brevity): committed length L = 6, so T = 4 and the tail block is
 positions 4..7. Tree nodes at slots 6, 7, 8: root (position 6), two children (position 7). Row 2
 (the second child) sees slots 4, 5, 6 and 8: ``seen`` = [1, 1, 1, 1 | 1, 1, 1, 1] (head | tail

@@ -151,14 +151,16 @@ def compile_model(
     model.graph_aux_layers = aux_layers
 
 
-def compile_batch(model: NativeLlama, sequences: int, progress: bool = True) -> None:
+def compile_batch(
+    model: NativeLlama, sequences: int, progress: bool = True, buckets: tuple[int, ...] | None = None
+) -> None:
     """Graphs for passes over ``sequences`` sequences at once (``NativeLlama.forward_batch``), one
-    per bucket of rows per sequence, up to ``batch_row_buckets``; the model must be compiled
+    per bucket of rows per sequence (default ``batch_row_buckets``); the model must be compiled
     (``compile_model``) first, and shares its store."""
     store = model.graph_store
     if not isinstance(store, GraphStore):
         raise CausalDraftError("compile the model (compile_model) before its batch graphs")
-    buckets = batch_row_buckets(model)
+    buckets = tuple(sorted(buckets or batch_row_buckets(model)))
     packages = store.load_or_build(model, buckets, progress, sequences)
     weights = weights_of(model)
     model.batch_graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)

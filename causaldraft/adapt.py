@@ -151,11 +151,16 @@ def budget_calibration(state: AdaptState, budget: int) -> float:
     return state.budget_calibration.get(budget_class(budget), state.score_calibration)
 
 
+def expected_tokens(scores: list[float], state: AdaptState, budget: int) -> float:
+    """Tokens a step emits, expected, from a tree pruned to ``budget`` nodes (scores sorted high to low)."""
+    return 1.0 + budget_calibration(state, budget) * sum(scores[: budget - 1]) if budget > 1 else 1.0
+
+
 def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int) -> int:
     """The node count maximising expected tokens per second, given scores sorted high to low."""
     best_nodes, best_rate = 1, 1.0 / cost(1)
     for budget in (b for b in BUDGETS if b <= min(max_nodes, len(scores) + 1)):
-        expected = 1.0 + budget_calibration(state, budget) * sum(scores[: budget - 1])
+        expected = expected_tokens(scores, state, budget)
         rate = expected / (cost(budget) + state.draft_seconds)
         if rate > best_rate:
             best_nodes, best_rate = budget, rate

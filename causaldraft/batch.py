@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from causaldraft.adapt import VerifyCost, plausible_calibration
+from causaldraft.adapt import MAX_BACKOFF_DOUBLINGS, VerifyCost, expected_tokens, plausible_calibration
 from causaldraft.api import Completion, Engine, Generation, RequestRun, StreamPiece
 from causaldraft.cache import CachePool
 from causaldraft.decode import StepTiming, accept_pass, draft_step, finish_step, tree_pass
@@ -35,6 +35,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import ForwardOutput
 from causaldraft.models.compiled import compile_batch
 from causaldraft.models.native import NativeLlama, SequencePass
+from causaldraft.tree import TreeDraft, prune
 
 Event = StreamPiece | Completion
 
@@ -86,6 +87,8 @@ class Batch:
         self.next_ident = 0
         self.last_step: StepReport | None = None
         self.largest_step = 0  # the most streams one pass has served
+        self.plain_steps_left = 0  # batch steps to decode plainly (speculation did not pay at this load)
+        self.fallbacks = 0  # consecutive
 
     @property
     def free(self) -> int:
@@ -112,9 +115,12 @@ class Batch:
         return stream
 
     def remove(self, stream: Stream) -> None:
-        """Take a stream out (finished or cancelled) and free its slot."""
+        """Take a stream out (finished or cancelled) and free its slot. Its adaptation state
+        becomes the engine's, which the next stream starts from (as one engine's requests do)."""
         if stream in self.streams:
             self.streams.remove(stream)
+            if stream.run.policy.state.timed:
+                self.engine.adapt = stream.run.policy.state
             if self.pool is not None and stream.slot is not None:
                 self.pool.release(stream.slot)
 
@@ -125,11 +131,15 @@ class Batch:
         if not live:
             return []
         shared = self.backend is not None and len(live) > 1
+        plain = shared and self.plain_steps_left > 0
+        self.plain_steps_left -= int(plain)
         drafts, draft_seconds = [], []
         for stream in live:
             started = time.perf_counter()
-            drafts.append(self.draft(stream, len(live) if shared else 1))
+            drafts.append(Draft.root_only(stream.run.state.tokens[-1]) if plain else self.draft(stream, len(live)))
             draft_seconds.append(time.perf_counter() - started)
+        if shared and not plain:
+            drafts = self.fit(live, drafts, sum(draft_seconds))
         prefixes = [stream.run.state.cache.length for stream in live]
         inputs = [tree_pass(draft, prefix) for draft, prefix in zip(drafts, prefixes, strict=True)]
         started = time.perf_counter()
@@ -171,6 +181,37 @@ class Batch:
             return Draft.root_only(run.state.tokens[-1])
         return draft
 
+    def fit(self, live: list[Stream], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
+        """One row count for the whole pass: every stream's tree is padded to the largest, so the
+        pass's rows R are chosen for the batch, maximising the streams' expected tokens together
+        over the pass's measured cost, and the trees are cut to R nodes.
+
+        When even the best R, with this step's drafting time counted, is predicted slower than
+        plain decoding of every stream, the batch decodes plainly (no drafting) for a stretch, then
+        drafts again to re-probe; consecutive fallbacks double the stretch (as one stream's does)."""
+        sizes = sorted({*self.cost.buckets, *(draft.tree.size for draft in drafts)})
+        candidates = [size for size in sizes if size <= max(draft.tree.size for draft in drafts)]
+        ranked = [sorted(draft.scores[1:], reverse=True) for draft in drafts]
+
+        def rate(rows: int) -> float:
+            states = (stream.run.policy.state for stream in live)
+            tokens = sum(expected_tokens(scores, state, rows) for scores, state in zip(ranked, states, strict=True))
+            return tokens / self.cost(rows)
+
+        rows = max(candidates, key=rate)
+        speculative = [size for size in candidates if size > 1]
+        plain_rate = len(live) / self.cost(1)
+        best = max(
+            (rate(size) * self.cost(size) / (self.cost(size) + draft_seconds) for size in speculative), default=0.0
+        )
+        if best < plain_rate:
+            self.fallbacks += 1
+            reprobe = self.engine.decoder.decode.reprobe_every
+            self.plain_steps_left = reprobe * 2 ** min(self.fallbacks - 1, MAX_BACKOFF_DOUBLINGS)
+        else:
+            self.fallbacks = 0
+        return [draft if draft.tree.size <= rows else cut(draft, rows) for draft in drafts]
+
     def verify(self, live: list[Stream], inputs: list[Any], shared: bool) -> list[ForwardOutput]:
         aux_layers = self.engine.decoder.drafter.feature_layers
         if shared and self.backend is not None and self.pool is not None:
@@ -182,6 +223,15 @@ class Batch:
             target.forward(i.tokens, i.positions, i.mask, stream.run.state.cache, aux_layers=aux_layers)
             for stream, i in zip(live, inputs, strict=True)
         ]
+
+
+def cut(draft: Draft, nodes: int) -> Draft:
+    """The draft pruned to its ``nodes`` best nodes (the root alone where pruning is not lossless:
+    sampled children)."""
+    if nodes <= 1 or draft.child_mode != "deterministic":
+        return Draft.root_only(draft.tree.tokens[0])
+    kept = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), nodes)
+    return Draft.from_tree_draft(kept)
 
 
 def batch_cost(engine: Engine, size: int) -> VerifyCost:

@@ -79,7 +79,7 @@ def test_eager_batch_rows_equal_each_sequences_own_pass(models: dict[str, Loaded
     assert_batch_rows_match_own_passes(backend_of(models[dtype]), pool_size=4)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("int4", marks=pytest.mark.slow)])
 def test_compiled_batch_rows_equal_each_sequences_own_pass(tiny_llama_dir: Path, graph_root: Path, dtype: str) -> None:
     """The batch graph (4 sequences) against the one-sequence graphs."""
     backend = backend_of(load_model(str(tiny_llama_dir), "native", dtype))

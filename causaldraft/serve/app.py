@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -122,11 +123,38 @@ class Usage:
                 "total_tokens": total}  # fmt: skip
 
 
-class Inbox:
-    """Events from the worker thread, awaited on the server's event loop."""
+class Mailbox:
+    """Carries the worker thread's events to the event loop with one wake-up per batch of them:
+    a decoding step delivers an event to each of its requests, and waking the loop for each one
+    made the two threads trade the interpreter lock several times per step (measured: a batch of 8
+    at 68 tokens/s, against 140 without the server)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.pending: list[tuple[Inbox, Event]] = []
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def post(self, inbox: Inbox, event: Event) -> None:  # called from the worker thread
+        with self.lock:
+            self.pending.append((inbox, event))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self.drain)
+
+    def drain(self) -> None:  # on the event loop
+        with self.lock:
+            items, self.pending, self.scheduled = self.pending, [], False
+        for inbox, event in items:
+            inbox.events.put_nowait(event)
+
+
+class Inbox:
+    """Events from the worker thread, awaited on the server's event loop."""
+
+    def __init__(self, mailbox: Mailbox) -> None:
+        self.mailbox = mailbox
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.pending: asyncio.Future[Event] | None = None
         self.checked_at = time.monotonic()
@@ -140,7 +168,7 @@ class Inbox:
         return True
 
     def deliver(self, event: Event) -> None:  # called from the worker thread
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        self.mailbox.post(self, event)
 
     async def next(self, timeout: float | None) -> Event | None:
         """The next event, or None after ``timeout`` seconds (the pending read is kept, never lost)."""
@@ -211,6 +239,11 @@ def create_app(
         finally:
             worker.stop()
             tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+
+    def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
+        return mailboxes.setdefault(loop, Mailbox(loop))
 
     app = FastAPI(title="causaldraft", lifespan=lifespan)
     app.add_middleware(StatusRecorder, metrics=metrics)  # type: ignore[arg-type]
@@ -290,7 +323,7 @@ def create_app(
             prepared = await loop.run_in_executor(tokenizing, worker.prepare, generation)
         except CausalDraftError as error:
             raise ApiError(400, str(error), param_of(str(error), generation)) from None
-        inbox = Inbox(loop)
+        inbox = Inbox(mailbox_of(loop))
         job = Job(prepared, inbox.deliver)
         try:
             worker.submit(job)

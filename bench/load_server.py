@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -270,9 +271,18 @@ def main(argv: list[str] | None = None) -> int:
         from causaldraft.serve.server import BackgroundServer
 
         engine = load(engine_config(args))
-        app = create_app(engine, max_queue=args.max_queue, max_batch=args.max_batch)
+        app = create_app(engine, max_queue=args.max_queue, max_batch=args.max_batch, engine_thread=False)
         with BackgroundServer(app) as server:
-            report = asyncio.run(run_load(server.url, args))
+            # the engine loop runs here, on the thread that loaded the model (as `causaldraft serve`
+            # does); the load runs on another
+            reports: list[Report] = []
+            client = threading.Thread(target=lambda: reports.append(asyncio.run(run_load(server.url, args))))
+            client.start()
+            app.state.worker.run_while(client.is_alive)
+            client.join()
+            if not reports:
+                raise CausalDraftError("the load run failed (see above)")
+            report = reports[0]
     payload = asdict(report)
     print(json.dumps(payload, indent=2))
     if args.json:

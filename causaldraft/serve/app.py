@@ -221,10 +221,12 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 def create_app(
     engine: Engine, max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None,
-    max_batch: int = DEFAULT_MAX_BATCH,
+    max_batch: int = DEFAULT_MAX_BATCH, engine_thread: bool = True,
 ) -> FastAPI:  # fmt: skip
-    """An app serving ``engine``, up to ``max_batch`` requests decoded together; its worker thread
-    starts and stops with the app's lifespan."""
+    """An app serving ``engine``, up to ``max_batch`` requests decoded together. With
+    ``engine_thread`` its worker thread starts and stops with the app's lifespan; without, the
+    caller runs the engine loop itself (``app.state.worker.run_while``), on the thread that loaded
+    the model (``causaldraft serve`` does, see ``Worker.run_while``)."""
     metrics = Metrics()
     worker = Worker(engine, metrics, max_queue, max_batch)
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="causaldraft-tokenize")
@@ -233,7 +235,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        if engine_thread:
+            worker.start()
         try:
             yield
         finally:
@@ -246,6 +249,7 @@ def create_app(
         return mailboxes.setdefault(loop, Mailbox(loop))
 
     app = FastAPI(title="causaldraft", lifespan=lifespan)
+    app.state.worker = worker
     app.add_middleware(StatusRecorder, metrics=metrics)  # type: ignore[arg-type]
 
     @app.exception_handler(ApiError)

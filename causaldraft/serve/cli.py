@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 
 from causaldraft.flags import add_drafter_flags, add_model_flags, engine_config
 from causaldraft.serve.app import DEFAULT_MAX_QUEUE
@@ -39,8 +40,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CausalDraftError(f"--port must be in [0, 65535], got {args.port}")
     engine = load(engine_config(args))
-    app = create_app(engine, max_queue=args.max_queue, model_name=args.model_name, max_batch=args.max_batch)
+    app = create_app(engine, max_queue=args.max_queue, model_name=args.model_name, max_batch=args.max_batch,
+                     engine_thread=False)  # fmt: skip
     served = args.model_name or engine.model.model_dir.name
     print(f"causaldraft: serving {served} (drafter {args.drafter}) on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    return 0
+    # HTTP on a thread of its own, the engine loop on this one, which loaded the model (Worker.run_while)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="causaldraft-http", daemon=True)
+    http.start()
+    try:
+        app.state.worker.run_while(http.is_alive)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+    return 0 if server.started else 1  # not started: uvicorn said why (e.g. the port is taken)

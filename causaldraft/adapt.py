@@ -21,7 +21,6 @@ import torch
 from causaldraft.config import DecodeConfig, TreeConfig
 from causaldraft.drafters.base import Draft
 from causaldraft.models.base import Backend
-from causaldraft.tree import TreeDraft, prune
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
@@ -274,8 +273,7 @@ class BudgetPolicy:
         self.state.chosen_budget = budget
         if budget >= draft.tree.size:
             return draft
-        tree = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), budget)
-        return Draft.from_tree_draft(tree)
+        return draft.pruned(budget)
 
     def observe(self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         nodes = draft.tree.size

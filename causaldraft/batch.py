@@ -29,13 +29,12 @@ import torch
 from causaldraft.adapt import MAX_BACKOFF_DOUBLINGS, VerifyCost, expected_tokens, plausible_calibration
 from causaldraft.api import Completion, Engine, Generation, RequestRun, StreamPiece
 from causaldraft.cache import CachePool
-from causaldraft.decode import StepTiming, accept_pass, draft_step, finish_step, tree_pass
+from causaldraft.decode import StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
 from causaldraft.drafters.base import Draft
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import ForwardOutput
 from causaldraft.models.compiled import compile_batch
 from causaldraft.models.native import NativeLlama, SequencePass
-from causaldraft.tree import TreeDraft, prune
 
 Event = StreamPiece | Completion
 
@@ -48,11 +47,10 @@ class Stream:
     run: RequestRun
     slot: int | None
     events: list[Event] = field(default_factory=list)
-    cancelled: bool = False
 
     @property
     def done(self) -> bool:
-        return self.run.done or self.cancelled
+        return self.run.done
 
 
 @dataclass(frozen=True)
@@ -212,7 +210,7 @@ class Batch:
             self.fallbacks = 0
         return [draft if draft.tree.size <= rows else cut(draft, rows) for draft in drafts]
 
-    def verify(self, live: list[Stream], inputs: list[Any], shared: bool) -> list[ForwardOutput]:
+    def verify(self, live: list[Stream], inputs: list[TreePass], shared: bool) -> list[ForwardOutput]:
         aux_layers = self.engine.decoder.drafter.feature_layers
         if shared and self.backend is not None and self.pool is not None:
             passes = [SequencePass(stream.slot, i.tokens, i.positions, i.mask)
@@ -230,8 +228,7 @@ def cut(draft: Draft, nodes: int) -> Draft:
     sampled children)."""
     if nodes <= 1 or draft.child_mode != "deterministic":
         return Draft.root_only(draft.tree.tokens[0])
-    kept = prune(TreeDraft(list(draft.tree.parents), list(draft.tree.tokens), list(draft.scores)), nodes)
-    return Draft.from_tree_draft(kept)
+    return draft.pruned(nodes)
 
 
 def batch_cost(engine: Engine, size: int) -> VerifyCost:

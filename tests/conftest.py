@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from causaldraft.models.loading import LoadedModel, load_model
 from tests.tiny import save_tiny_gpt2, save_tiny_llama
 
 
@@ -38,6 +39,12 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
+    """The tiny Llama in every dtype whose passes are bit-exact (docs/exactness.md)."""
+    return {dtype: load_model(str(tiny_llama_dir), "native", dtype) for dtype in ("bfloat16", "int8", "int4")}
 
 
 @pytest.fixture(autouse=True)

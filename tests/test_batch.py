@@ -22,24 +22,13 @@ from causaldraft.serve.app import create_app
 from causaldraft.serve.metrics import parse_metrics
 from causaldraft.serve.server import BackgroundServer
 from tests.test_eagle3 import layer_dir
-from tests.test_exact import decoy_tree
+from tests.test_exact import LOW_PRECISION, backend_of, decoy_tree
 from tests.test_heads import random_heads_dir
 
-LOW_PRECISION = ["bfloat16", "int8", "int4"]
 # prefixes whose heads differ (none, one block, two blocks), so a batch pass pads heads
 PREFIXES = [30, KEY_BLOCK + 5, 2 * KEY_BLOCK + 2]
 # prompts of different lengths (the tiny tokenizer is bytes: a token per character)
 PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat " * 3, "abcabcabc", "xyz " * 40, "q"]
-
-
-@pytest.fixture(scope="module")
-def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
-    return {dtype: load_model(str(tiny_llama_dir), "native", dtype) for dtype in LOW_PRECISION}
-
-
-def backend_of(loaded: LoadedModel) -> NativeLlama:
-    assert isinstance(loaded.backend, NativeLlama)
-    return loaded.backend
 
 
 def prefill(backend: NativeLlama, prompt: list[int], cache: object) -> None:

@@ -25,11 +25,6 @@ PREFIXES = [30, KEY_BLOCK - 4, KEY_BLOCK + 5, 2 * KEY_BLOCK + 2]
 PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
 
 
-@pytest.fixture(scope="module")
-def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
-    return {dtype: load_model(str(tiny_llama_dir), "native", dtype) for dtype in LOW_PRECISION}
-
-
 def backend_of(loaded: LoadedModel) -> NativeLlama:
     assert isinstance(loaded.backend, NativeLlama)
     return loaded.backend

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from causaldraft.config import SamplingConfig
-from causaldraft.tree import Tree, TreeDraft
+from causaldraft.tree import Tree, TreeDraft, prune
 from causaldraft.verify import Acceptance
 
 
@@ -41,6 +41,11 @@ class Draft:
     @staticmethod
     def from_tree_draft(draft: TreeDraft, child_mode: str = "deterministic") -> Draft:
         return Draft(draft.freeze(), tuple(draft.scores), child_mode)
+
+    def pruned(self, nodes: int) -> Draft:
+        """Its ``nodes`` best-scored nodes, ancestors kept (lossless for deterministic children)."""
+        kept = prune(TreeDraft(list(self.tree.parents), list(self.tree.tokens), list(self.scores)), nodes)
+        return Draft.from_tree_draft(kept)
 
     def within_depth(self, depth: int) -> Draft:
         """The nodes at most ``depth`` below the root (a node's ancestors are shallower, so this

@@ -81,6 +81,16 @@ class VerifyCost:
 CALIBRATION_SLACK = 0.8  # a kept pass over more rows may cost no less than this share of one over fewer
 
 
+# Kept calibrations carry this in their names; raise it when what a pass costs changes outside the
+# compiled graphs (whose key changes with their code): 2, the LM head through oneDNN (models/packed.py).
+CALIBRATION_VERSION = 2
+
+
+def calibration_name(kind: str, aux_layers: tuple[int, ...]) -> str:
+    """The name a calibration is kept under, e.g. ``v2 max_nodes=16 aux_layers=[]``."""
+    return f"v{CALIBRATION_VERSION} {kind} aux_layers={list(aux_layers)}"
+
+
 def plausible_calibration(seconds: dict[int, float]) -> bool:
     """Whether kept verify timings can be trusted: a pass over more rows never costs much less than
     one over fewer. A calibration timed while another process ran breaks that (seen: 2 rows at

@@ -14,6 +14,7 @@ from causaldraft.adapt import (
     AdaptState,
     BudgetPolicy,
     VerifyCost,
+    calibration_name,
     initial_adapt_state,
     measure_verify_cost,
     plausible_calibration,
@@ -269,7 +270,7 @@ def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], r
     """The measured cost of verify passes. With compiled graphs it is measured once and kept
     beside them (``remeasure`` times it again); the decode loop refines it from every step."""
     store = backend.calibration
-    name = f"max_nodes={max_nodes} aux_layers={list(aux_layers)}"
+    name = calibration_name(f"max_nodes={max_nodes}", aux_layers)
     if store is not None and not remeasure:
         seconds = store.read_calibration(name)
         if seconds and plausible_calibration(seconds):

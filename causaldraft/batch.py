@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from causaldraft.adapt import MAX_BACKOFF_DOUBLINGS, VerifyCost, expected_tokens, plausible_calibration
+from causaldraft.adapt import (
+    MAX_BACKOFF_DOUBLINGS,
+    VerifyCost,
+    calibration_name,
+    expected_tokens,
+    plausible_calibration,
+)
 from causaldraft.api import Completion, Engine, Generation, RequestRun, StreamPiece
 from causaldraft.cache import CachePool
 from causaldraft.decode import StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
@@ -238,7 +244,7 @@ def batch_cost(engine: Engine, size: int) -> VerifyCost:
     assert isinstance(backend, NativeLlama)
     store = backend.calibration
     aux_layers = engine.decoder.drafter.feature_layers
-    name = f"batch={size} aux_layers={list(aux_layers)}"
+    name = calibration_name(f"batch={size}", aux_layers)
     if store is not None:
         seconds = store.read_calibration(name)
         if seconds and plausible_calibration(seconds):

@@ -23,6 +23,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
 from causaldraft.models.native import NativeLlama
+from causaldraft.models.packed import use_packed_head
 from causaldraft.paths import causaldraft_home
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,7 +164,9 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
 
             loaded = load_quantized(model_dir, dtype)
         else:
-            loaded = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
+            native = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
+            use_packed_head(native)  # bf16: the LM head through oneDNN (models/packed.py); fp32 keeps F.linear
+            loaded = native
     elif backend == "hf":
         if dtype not in TORCH_DTYPES:
             raise CausalDraftError(f"the hf backend supports float32 and bfloat16, not {dtype}")

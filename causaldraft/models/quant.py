@@ -12,7 +12,9 @@ zero = m + 8 * d (see ``gguf_q4``). Worked example, one group of 32 weights span
 [-0.3, 0.45]: step = 0.75 / 15 = 0.05, q = round((w + 0.3) / 0.05), zero = -0.3 + 8 * 0.05 = 0.1,
 and w = 0.2 gives q = 10, dequantized (10 - 8) * 0.05 + 0.1 = 0.2.
 
-Activations are bfloat16; token embeddings and norms stay bfloat16; the LM head is int8.
+Activations are bfloat16; token embeddings and norms stay bfloat16. The LM head is quantized to int8
+here, but a loaded model replaces it by the checkpoint's bf16 head through oneDNN where it can
+(``packed``: faster at every row count and closer to the checkpoint).
 A layer the int4 kernel cannot take (in_features not a multiple of 32, out_features not a
 multiple of 16) falls back to int8 with a message.
 

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.gguf_q4 import read_q4_1_weights
 from causaldraft.models.native import QUANT_CACHE_PREFIX, NativeLlama, checkpoint_files
+from causaldraft.models.packed import use_packed_head
 from causaldraft.models.quant import (
     ACTIVATION_DTYPE,
     CACHE_FORMAT,
@@ -139,4 +140,6 @@ def load_quantized(model_dir: Path, dtype: str) -> NativeLlama:
     missing = set(linear_names(model)) - set(weights)
     if missing:
         raise CausalDraftError(f"quantized cache {path} lacks {sorted(missing)[:3]}")
+    if use_packed_head(model):  # the checkpoint's LM head in bf16 through oneDNN (models/packed.py)
+        weights = {name: quantized for name, quantized in weights.items() if name != "lm_head"}
     return install_quantized(model, weights)

@@ -1,0 +1,90 @@
+"""The LM head through oneDNN (models/packed.py): row-invariant at every row count, the head of
+bf16 and quantized models, exact where it replaces F.linear's one-row product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from causaldraft.models.loading import LoadedModel
+from causaldraft.models.packed import (
+    MAX_ROWS_PER_CALL,
+    PackedLinear,
+    pack,
+    packed_available,
+    packed_head,
+    packed_product,
+    padded_product,
+    rows_agree,
+)
+
+pytestmark = pytest.mark.skipif(not packed_available(), reason="torch built without oneDNN")
+
+
+def random_weight(out_features: int, in_features: int, seed: int = 0) -> nn.Parameter:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * in_features**-0.5
+    return nn.Parameter(weight.bfloat16(), requires_grad=False)
+
+
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+def test_every_row_is_its_one_row_product(in_features: int) -> None:
+    """Calls of 1..80 rows (crossing the split into calls of at most 32) give each row bit for bit
+    as one row, on several random inputs. in_features 1536 is a shape where oneDNN's unpadded
+    one-row product differs from its many-row products for some inputs (measured): the padding of
+    short calls is what keeps it exact."""
+    head = packed_head(random_weight(1024, in_features))
+    assert head is not None
+    for seed in range(4):
+        rows = torch.randn(80, in_features, generator=torch.Generator().manual_seed(seed)).bfloat16()  # [80, in]
+        alone = torch.cat([head(rows[i : i + 1]) for i in range(80)])  # [80, out]
+        for count in (2, 3, 4, 5, 7, 16, 17, 18, 31, 32, 33, 64, 80):
+            assert torch.equal(head(rows[:count]), alone[:count]), (seed, count)
+        assert torch.equal(head(rows[:6].view(2, 3, in_features)), alone[:6].view(2, 3, -1))  # leading dims kept
+
+
+def test_unpadded_one_row_products_can_differ() -> None:
+    """Why short calls are padded: for in_features 1536 some input's unpadded one-row product
+    differs from the same row in a call of four (if oneDNN ever stops doing this, the padding is
+    merely unneeded, and this test says so)."""
+    weight = random_weight(1024, 1536)
+    packed = pack(weight, MAX_ROWS_PER_CALL)
+    differs = False
+    for seed in range(8):
+        rows = torch.randn(4, 1536, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        one = torch.cat([packed_product(rows[i : i + 1], packed) for i in range(4)])
+        differs |= not torch.equal(packed_product(rows, packed), one)
+        assert torch.equal(padded_product(rows[:1], packed), packed_product(rows, packed)[:1])
+    assert differs
+
+
+def test_matches_the_plain_linear_of_two_or_more_rows() -> None:
+    """For a bf16 model the packed head computes what ``native.Linear`` (F.linear, a one-row input
+    run as two rows) computed, bit for bit, so plain decoding's text does not change with it."""
+    weight = random_weight(4096, 576)
+    head = packed_head(weight)
+    assert head is not None
+    rows = torch.randn(20, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for count in (1, 2, 5, 20):
+        plain = F.linear(rows[: max(count, 2)], weight)[:count]
+        assert torch.equal(head(rows[:count]), plain), count
+
+
+def test_the_check_passes_for_model_shapes() -> None:
+    for in_features in (64, 576, 960, 1536):
+        weight = random_weight(512, in_features)
+        assert rows_agree(pack(weight, MAX_ROWS_PER_CALL), in_features, torch.bfloat16)
+
+
+def test_fp32_weights_are_not_packed() -> None:
+    assert packed_head(nn.Parameter(torch.randn(64, 32), requires_grad=False)) is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_models_use_the_packed_head(models: dict[str, LoadedModel], dtype: str) -> None:
+    backend = models[dtype].backend
+    assert isinstance(backend.lm_head, PackedLinear)
+    assert backend.lm_head.weight.dtype == torch.bfloat16
+    assert backend.lm_head_weight().shape == (backend.shape.vocab_size, backend.shape.hidden_size)

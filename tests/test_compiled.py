@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import causaldraft
+from causaldraft.adapt import calibration_name
 from causaldraft.api import verify_cost
 from causaldraft.cli import build_parser
 from causaldraft.flags import compile_wanted
@@ -82,7 +83,8 @@ def test_the_verify_cost_is_measured_once_per_set_of_graphs(tiny_llama_dir: Path
     assert backend.graph_store is not None
     path = backend.graph_store.directory / "calibration.json"
     saved = json.loads(path.read_text())
-    name = "max_nodes=8 aux_layers=[]"
+    name = calibration_name("max_nodes=8", ())  # e.g. "v2 max_nodes=8 aux_layers=[]"
+    assert name.endswith("max_nodes=8 aux_layers=[]")
     assert {int(k): v for k, v in saved[name].items()} == measured.seconds
     saved[name] = {"1": 0.5, "4": 0.75}
     path.write_text(json.dumps(saved))

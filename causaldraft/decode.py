@@ -99,6 +99,7 @@ class Decoder:
     decode: DecodeConfig
     cost: VerifyCost
     eos_token_ids: frozenset[int]
+    prefill_target: Backend | None = None  # reads the prompt instead of ``target`` (same cache kind)
 
 
 def prefill(
@@ -130,7 +131,8 @@ def prefill(
     if count:
         tokens = torch.tensor(prompt[:-1], dtype=torch.long)
         mask = torch.ones(count, count, dtype=torch.bool).tril()
-        out = decoder.target.forward(
+        reader = decoder.prefill_target or decoder.target
+        out = reader.forward(
             tokens, torch.arange(count), mask, cache, torch.tensor([count - 1]), decoder.drafter.feature_layers
         )
         state.hidden, features = out.hidden[-1], out.aux

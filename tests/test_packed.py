@@ -9,14 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from causaldraft.models.loading import LoadedModel
+from causaldraft.models.native import NativeLlama
 from causaldraft.models.packed import (
     MAX_ROWS_PER_CALL,
     PackedLinear,
+    is_linear,
     pack,
     packed_available,
     packed_head,
     packed_product,
     padded_product,
+    prefill_model,
     rows_agree,
 )
 
@@ -88,3 +91,39 @@ def test_models_use_the_packed_head(models: dict[str, LoadedModel], dtype: str) 
     assert isinstance(backend.lm_head, PackedLinear)
     assert backend.lm_head.weight.dtype == torch.bfloat16
     assert backend.lm_head_weight().shape == (backend.shape.vocab_size, backend.shape.hidden_size)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_models_read_prompts_with_a_packed_twin(models: dict[str, LoadedModel], dtype: str) -> None:
+    """The twin shares the model's embeddings, norms and head, computes its layers in packed bf16,
+    and reads a prompt to nearly the same hidden states and cache (a different kernel, so not bit
+    for bit: plain and speculative decoding both start from the twin's cache)."""
+    loaded = models[dtype]
+    model, twin = loaded.backend, loaded.prefill
+    assert isinstance(model, NativeLlama) and isinstance(twin, NativeLlama)
+    assert twin.embed_tokens is model.embed_tokens and twin.lm_head is model.lm_head and twin.norm is model.norm
+    assert twin.layers[0].input_layernorm is model.layers[0].input_layernorm
+    assert isinstance(twin.layers[0].mlp.down_proj, PackedLinear) and not twin.graphs
+    tokens = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    outputs, caches = [], []
+    for backend in (model, twin):
+        cache = backend.new_cache(48)
+        outputs.append(backend.forward(tokens, torch.arange(40), mask, cache))
+        caches.append(cache)
+    spread = outputs[0].logits.std()
+    assert (outputs[0].logits - outputs[1].logits).abs().max() < 0.1 * spread
+    assert caches[1].length == 40
+    assert (caches[0].keys[0][:, :40] - caches[1].keys[0][:, :40]).abs().max() < 0.05 * caches[0].keys[0].abs().max()
+
+
+def test_no_twin_beyond_the_memory_bound(models: dict[str, LoadedModel]) -> None:
+    model = models["int4"].backend
+    assert isinstance(model, NativeLlama)
+    modules = model.named_modules()
+    linears = [(name, module) for name, module in modules if name.startswith("layers.") and is_linear(module)]
+    weights = {name: torch.zeros(module.out_features, module.in_features) for name, module in linears}
+    assert prefill_model(model, weights) is not None
+    assert prefill_model(model, weights, max_bytes=1024) is None
+    assert prefill_model(model, dict(list(weights.items())[1:])) is None  # a missing weight
+    assert models["bfloat16"].prefill is None  # bf16 models read prompts with their own layers

@@ -158,7 +158,7 @@ def test_gguf_q4_1_loaded_as_int4_unpermuted(tmp_path: Path, capsys: pytest.Capt
     gguf_path = tmp_path / "tiny.Q4_1.gguf"
     blocks = write_q4_1_gguf(model_dir, gguf_path)
     (model_dir / "causaldraft_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
-    model = load_quantized(model_dir, "int4")
+    model = load_quantized(model_dir, "int4").model
     assert "loaded as int4 without re-quantization" in capsys.readouterr().err
     fp32 = NativeLlama.from_pretrained(model_dir, torch.float32)
     for index, layer in enumerate(model.layers):
@@ -225,7 +225,7 @@ TOLERANCE = {"int8": (0.04, 1e-3, 0.9), "int4": (0.3, 0.05, 0.5)}
 def test_quantized_forward_agrees_with_fp32(quant_llama_dir: Path, dtype: str) -> None:
     tokens = torch.randint(3, 259, (48,), generator=torch.Generator().manual_seed(0))
     reference = full_logits(NativeLlama.from_pretrained(quant_llama_dir, torch.float32), tokens)
-    model = load_quantized(quant_llama_dir, dtype)
+    model = load_quantized(quant_llama_dir, dtype).model
     linear_type = Int8Linear if dtype == "int8" else Int4Linear
     assert isinstance(model.layers[0].mlp.down_proj, linear_type)
     assert isinstance(model.lm_head, PackedLinear)  # the checkpoint's head in bf16 (models/packed.py)
@@ -240,18 +240,18 @@ def test_quantized_forward_agrees_with_fp32(quant_llama_dir: Path, dtype: str) -
 
 
 def test_cache_is_written_and_reused(quant_llama_dir: Path) -> None:
-    first = load_quantized(quant_llama_dir, "int4")
+    first = load_quantized(quant_llama_dir, "int4").model
     path = cache_path(quant_llama_dir, "int4")
     assert path == quant_llama_dir / "quant-int4.safetensors" and path.is_file()
     stamp = path.stat().st_mtime_ns
-    second = load_quantized(quant_llama_dir, "int4")
+    second = load_quantized(quant_llama_dir, "int4").model
     assert path.stat().st_mtime_ns == stamp  # read, not rewritten
     for name, buffer in first.named_buffers():
         assert torch.equal(buffer, dict(second.named_buffers())[name]), name
 
 
 def test_self_draft_shares_quantized_layers(quant_llama_dir: Path) -> None:
-    model = load_quantized(quant_llama_dir, "int4")
+    model = load_quantized(quant_llama_dir, "int4").model
     draft = model.truncated(2)
     assert draft.layers[1] is model.layers[1] and draft.lm_head is model.lm_head
     assert isinstance(draft.layers[1].self_attn.o_proj, Int4Linear)
@@ -259,7 +259,7 @@ def test_self_draft_shares_quantized_layers(quant_llama_dir: Path) -> None:
 
 def test_int4_falls_back_to_int8_with_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir = save_tiny_llama(tmp_path / "ragged", hidden_size=48, intermediate_size=128)
-    model = load_quantized(model_dir, "int4")
+    model = load_quantized(model_dir, "int4").model
     assert "use int8 instead" in capsys.readouterr().err
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)  # in_features 48
     assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)  # in_features 128

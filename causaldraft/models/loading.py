@@ -111,6 +111,7 @@ class LoadedModel:
     model_dir: Path
     fingerprint: str
     dtype: str  # what was loaded: float32, bfloat16, int8 or int4 (``auto`` resolved)
+    prefill: Backend | None = None  # reads prompts where that is faster (quantized: packed.prefill_model)
 
 
 def model_fingerprint(backend: Backend) -> str:
@@ -158,11 +159,13 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
     dtype = resolve_dtype(model_dir, dtype, backend)
     tokenizer = load_tokenizer(model_dir)
     loaded: Backend
+    prefill: Backend | None = None
     if backend == "native":
         if dtype in ("int8", "int4"):
             from causaldraft.models.quant_load import load_quantized
 
-            loaded = load_quantized(model_dir, dtype)
+            quantized = load_quantized(model_dir, dtype)
+            loaded, prefill = quantized.model, quantized.prefill
         else:
             native = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
             use_packed_head(native)  # bf16: the LM head through oneDNN (models/packed.py); fp32 keeps F.linear
@@ -173,4 +176,4 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
         loaded = HFBackend.from_pretrained(model_dir, TORCH_DTYPES[dtype])
     else:
         raise CausalDraftError(f"backend must be native or hf, got {backend!r}")
-    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded), dtype)
+    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded), dtype, prefill)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from causaldraft.models.native import NativeLlama
+from causaldraft.models.quant import Int4Linear, Int8Linear
 
 MAX_ROWS_PER_CALL = 32  # rows of one oneDNN call (longer inputs are split)
 MIN_ROWS_PER_CALL = 4  # shorter calls are padded with zero rows
@@ -51,16 +52,18 @@ def packed_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [None], "")
 
 
-def padded_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """rows [m, in] @ W.T -> [m, out] in calls of MIN..MAX_ROWS_PER_CALL rows.
+def padded_product(
+    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, rows_per_call: int = MAX_ROWS_PER_CALL
+) -> torch.Tensor:
+    """rows [m, in] @ W.T (+ bias) -> [m, out] in calls of MIN_ROWS_PER_CALL..rows_per_call rows.
 
     Example: 37 rows run as calls of 32 and 5 rows; 2 rows run as one call of 4 (2 zero rows)."""
     parts = []
-    for part in rows.split(MAX_ROWS_PER_CALL):
+    for part in rows.split(rows_per_call):
         count = part.shape[0]
         if count < MIN_ROWS_PER_CALL:
             part = torch.cat([part, part.new_zeros(MIN_ROWS_PER_CALL - count, part.shape[1])])
-        parts.append(packed_product(part, packed)[:count])
+        parts.append(torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [None], "")[:count])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -74,23 +77,33 @@ def rows_agree(packed: torch.Tensor, in_features: int, dtype: torch.dtype) -> bo
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ weight.T`` (no bias) for bfloat16 ``x`` in oneDNN calls of 4 to 32 rows, so each
-    row is computed bit for bit alike whatever the call's other rows (see the module docstring).
+    """``y = x @ W.T (+ bias)`` for bfloat16 ``x`` in oneDNN calls of 4 to ``rows_per_call`` rows, so
+    each row is computed bit for bit alike whatever the call's other rows (see the module docstring).
 
-    ``weight`` stays the module's parameter (``lm_head.weight``, what drafters and graphs read);
-    ``packed`` is its oneDNN reordering, a plain attribute (not a buffer: it is derived, opaque,
-    and no graph or state dict takes it).
+    ``weight``: the dense parameter, kept where others read it (the LM head's ``lm_head.weight``, what
+    drafters and graphs take), else None; ``packed`` is W's oneDNN reordering, a plain attribute (not
+    a buffer: it is derived, opaque, and no graph or state dict takes it).
     """
 
-    def __init__(self, weight: nn.Parameter, packed: torch.Tensor) -> None:
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        shape: tuple[int, int],
+        weight: nn.Parameter | None = None,
+        bias: torch.Tensor | None = None,
+        rows_per_call: int = MAX_ROWS_PER_CALL,
+    ) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = shape
         self.weight = weight
         self.packed = packed
+        self.bias = bias
+        self.rows_per_call = rows_per_call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()  # [m, in]
-        return padded_product(rows, self.packed).reshape(*x.shape[:-1], self.out_features)
+        out = padded_product(rows, self.packed, self.bias, self.rows_per_call)  # [m, out]
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def packed_head(weight: nn.Parameter) -> PackedLinear | None:
@@ -101,7 +114,7 @@ def packed_head(weight: nn.Parameter) -> PackedLinear | None:
     packed = pack(weight, MAX_ROWS_PER_CALL)
     if not rows_agree(packed, weight.shape[1], weight.dtype):
         return None
-    return PackedLinear(weight, packed)
+    return PackedLinear(packed, (weight.shape[0], weight.shape[1]), weight)
 
 
 def use_packed_head(model: NativeLlama) -> bool:
@@ -115,3 +128,56 @@ def use_packed_head(model: NativeLlama) -> bool:
         return False
     model.lm_head = head
     return True
+
+
+# ---------------------------------------------------------------- prefill of quantized models
+
+PREFILL_ROWS_PER_CALL = 512  # a prompt's rows need no row invariance: large calls
+MAX_PREFILL_BYTES = 1 << 30  # no prefill copy for models whose bf16 layers exceed this
+
+
+def prefill_model(
+    model: NativeLlama, layer_weights: dict[str, torch.Tensor], max_bytes: int = MAX_PREFILL_BYTES
+) -> NativeLlama | None:
+    """A twin of a quantized ``model`` for prompts: the same embeddings, norms, rope and LM head (shared,
+    not copied), with every layer linear computed in bf16 through oneDNN from ``layer_weights``
+    (the dequantized weights by module name, e.g. ``layers.0.mlp.down_proj`` -> [out, in]), eagerly.
+
+    Why: torch's int4 kernel costs ~1.5 ms per row for the default model whatever the row count,
+    while a packed bf16 product of a 40-row prompt costs ~0.6 ms per row (measured), so a prompt is
+    read 1.3-1.7x faster (40 tokens 117 -> 91 ms, 300 tokens 598 -> 344 ms). Plain and speculative
+    decoding share the prefill (``Decoder.prefill_target``), so both start from the same cache; the
+    decode passes themselves stay int4. Costs the bf16 copy of the layers (212 MB for the default
+    model); None where that exceeds ``max_bytes``, oneDNN is missing, or a weight is absent.
+    """
+    names = [name for name, module in model.named_modules() if name.startswith("layers.") and is_linear(module)]
+    if not packed_available() or any(name not in layer_weights for name in names):
+        return None
+    if sum(layer_weights[name].numel() * 2 for name in names) > max_bytes:
+        return None
+    with torch.device("meta"):
+        twin = NativeLlama(model.llama_shape, torch.empty(0), model.rope_scaling)
+    twin.embed_tokens, twin.norm, twin.lm_head = model.embed_tokens, model.norm, model.lm_head
+    twin.inv_freq = model.inv_freq
+    for twin_layer, layer in zip(twin.layers, model.layers, strict=True):
+        twin_layer.input_layernorm = layer.input_layernorm
+        twin_layer.post_attention_layernorm = layer.post_attention_layernorm
+    for name in names:
+        source = model.get_submodule(name)
+        weight = layer_weights[name].to(torch.bfloat16)  # [out, in]
+        bias = source.bias if isinstance(source.bias, torch.Tensor) else None
+        packed = pack(weight, PREFILL_ROWS_PER_CALL)
+        linear = PackedLinear(
+            packed, (weight.shape[0], weight.shape[1]), bias=bias, rows_per_call=PREFILL_ROWS_PER_CALL
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(twin.get_submodule(parent_name), child, linear)
+    leftover = [name for name, tensor in [*twin.named_parameters(), *twin.named_buffers()] if tensor.is_meta]
+    if leftover:
+        return None
+    return twin.eval()
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A layer's linear of a quantized model: its int4/int8 modules (or an nn.Linear left as is)."""
+    return isinstance(module, (nn.Linear, Int4Linear, Int8Linear))

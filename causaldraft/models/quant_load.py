@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.gguf_q4 import read_q4_1_weights
 from causaldraft.models.native import QUANT_CACHE_PREFIX, NativeLlama, checkpoint_files
-from causaldraft.models.packed import use_packed_head
+from causaldraft.models.packed import prefill_model, use_packed_head
 from causaldraft.models.quant import (
     ACTIVATION_DTYPE,
     CACHE_FORMAT,
@@ -31,6 +32,8 @@ from causaldraft.models.quant import (
     Int8Weights,
     QuantWeights,
     checkpoint_linear_names,
+    dequantize_int4,
+    dequantize_int8,
     install_quantized,
     linear_names,
     notify,
@@ -113,7 +116,15 @@ def gguf_source(model_dir: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_quantized(model_dir: Path, dtype: str) -> NativeLlama:
+@dataclass(frozen=True)
+class QuantizedModel:
+    """A quantized model and its prefill twin (``packed.prefill_model``; None where it has none)."""
+
+    model: NativeLlama
+    prefill: NativeLlama | None
+
+
+def load_quantized(model_dir: Path, dtype: str) -> QuantizedModel:
     """A NativeLlama in bfloat16 whose linears are int8 or int4 (cached beside the checkpoint).
 
     For int4, layers stored as Q4_1 in the GGUF file the checkpoint was converted from are taken
@@ -142,4 +153,19 @@ def load_quantized(model_dir: Path, dtype: str) -> NativeLlama:
         raise CausalDraftError(f"quantized cache {path} lacks {sorted(missing)[:3]}")
     if use_packed_head(model):  # the checkpoint's LM head in bf16 through oneDNN (models/packed.py)
         weights = {name: quantized for name, quantized in weights.items() if name != "lm_head"}
-    return install_quantized(model, weights)
+    model = install_quantized(model, weights)
+    layers = {name: as_used(quantized) for name, quantized in weights.items() if name.startswith("layers.")}
+    return QuantizedModel(model, prefill_model(model, layers))
+
+
+def as_used(weights: QuantWeights) -> torch.Tensor:
+    """The dequantized weight [out, in] (float32) with scales and zeros rounded to bf16, as the
+    modules hold them."""
+    if isinstance(weights, Int4Weights):
+        rounded = Int4Weights(weights.values, bf16_rounded(weights.scales), bf16_rounded(weights.zeros))
+        return dequantize_int4(rounded)
+    return dequantize_int8(Int8Weights(weights.values, bf16_rounded(weights.scales)))
+
+
+def bf16_rounded(values: torch.Tensor) -> torch.Tensor:
+    return values.to(ACTIVATION_DTYPE).float()

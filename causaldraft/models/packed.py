@@ -26,6 +26,8 @@ check keeps the plain linear (``packed_head`` returns None).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -47,9 +49,9 @@ def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
 
 
-def packed_product(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """rows [m, in] @ W.T -> [m, out] through oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [None], "")
+def packed_product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [m, in] @ W.T (+ bias) -> [m, out] through oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [None], "")
 
 
 def padded_product(
@@ -63,7 +65,7 @@ def padded_product(
         count = part.shape[0]
         if count < MIN_ROWS_PER_CALL:
             part = torch.cat([part, part.new_zeros(MIN_ROWS_PER_CALL - count, part.shape[1])])
-        parts.append(torch.ops.mkldnn._linear_pointwise(part, packed, bias, "none", [None], "")[:count])
+        parts.append(packed_product(part, packed, bias)[:count])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -137,11 +139,15 @@ MAX_PREFILL_BYTES = 1 << 30  # no prefill copy for models whose bf16 layers exce
 
 
 def prefill_model(
-    model: NativeLlama, layer_weights: dict[str, torch.Tensor], max_bytes: int = MAX_PREFILL_BYTES
+    model: NativeLlama,
+    dequantized: Callable[[str], torch.Tensor | None],
+    max_bytes: int = MAX_PREFILL_BYTES,
 ) -> NativeLlama | None:
     """A twin of a quantized ``model`` for prompts: the same embeddings, norms, rope and LM head (shared,
-    not copied), with every layer linear computed in bf16 through oneDNN from ``layer_weights``
-    (the dequantized weights by module name, e.g. ``layers.0.mlp.down_proj`` -> [out, in]), eagerly.
+    not copied), with every layer linear computed in bf16 through oneDNN from ``dequantized(name)``
+    (a module's dequantized weight, e.g. ``layers.0.mlp.down_proj`` -> [out, in]; None if absent),
+    eagerly. The size bound is checked from the modules' shapes before anything is dequantized, and
+    the layers are dequantized one at a time.
 
     Why: torch's int4 kernel costs ~1.5 ms per row for the default model whatever the row count,
     while a packed bf16 product of a 40-row prompt costs ~0.6 ms per row (measured), so a prompt is
@@ -150,10 +156,12 @@ def prefill_model(
     decode passes themselves stay int4. Costs the bf16 copy of the layers (212 MB for the default
     model); None where that exceeds ``max_bytes``, oneDNN is missing, or a weight is absent.
     """
-    names = [name for name, module in model.named_modules() if name.startswith("layers.") and is_linear(module)]
-    if not packed_available() or any(name not in layer_weights for name in names):
+    linears = [
+        (name, module) for name, module in model.named_modules() if name.startswith("layers.") and is_linear(module)
+    ]
+    if not packed_available():
         return None
-    if sum(layer_weights[name].numel() * 2 for name in names) > max_bytes:
+    if sum(module.out_features * module.in_features * 2 for _, module in linears) > max_bytes:
         return None
     with torch.device("meta"):
         twin = NativeLlama(model.llama_shape, torch.empty(0), model.rope_scaling)
@@ -162,9 +170,11 @@ def prefill_model(
     for twin_layer, layer in zip(twin.layers, model.layers, strict=True):
         twin_layer.input_layernorm = layer.input_layernorm
         twin_layer.post_attention_layernorm = layer.post_attention_layernorm
-    for name in names:
-        source = model.get_submodule(name)
-        weight = layer_weights[name].to(torch.bfloat16)  # [out, in]
+    for name, source in linears:
+        full = dequantized(name)
+        if full is None:
+            return None
+        weight = full.to(torch.bfloat16)  # [out, in]
         bias = source.bias if isinstance(source.bias, torch.Tensor) else None
         packed = pack(weight, PREFILL_ROWS_PER_CALL)
         linear = PackedLinear(

@@ -154,8 +154,7 @@ def load_quantized(model_dir: Path, dtype: str) -> QuantizedModel:
     if use_packed_head(model):  # the checkpoint's LM head in bf16 through oneDNN (models/packed.py)
         weights = {name: quantized for name, quantized in weights.items() if name != "lm_head"}
     model = install_quantized(model, weights)
-    layers = {name: as_used(quantized) for name, quantized in weights.items() if name.startswith("layers.")}
-    return QuantizedModel(model, prefill_model(model, layers))
+    return QuantizedModel(model, prefill_model(model, lambda name: as_used(weights[name]) if name in weights else None))
 
 
 def as_used(weights: QuantWeights) -> torch.Tensor:

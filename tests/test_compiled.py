@@ -15,7 +15,8 @@ from causaldraft.adapt import calibration_name
 from causaldraft.api import verify_cost
 from causaldraft.cli import build_parser
 from causaldraft.flags import compile_wanted
-from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
+from causaldraft.models import compiled
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, frozen_weights
 from causaldraft.models.loading import load_model, resolve_dtype
 from causaldraft.models.native import NativeLlama, default_aux_layers
 
@@ -40,6 +41,26 @@ def test_the_graph_key_separates_models_dtypes_torch_versions_and_code(
               replace(key, cpu="other"), replace(key, aux_layers=(0,))]  # fmt: skip
     directories = {GraphStore(other, tmp_path).directory for other in others}
     assert GraphStore(key, tmp_path).directory not in directories and len(directories) == len(others)
+
+
+def test_bf16_packages_hold_their_weights_and_their_key_covers_the_values(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 layer weights are frozen into the packages (oneDNN reorders them once), so a model with
+    other weight values of the same shapes must get other packages; int8/int4/fp32 weights are
+    inputs, and bf16 models above the size bound keep them as inputs too."""
+    bf16 = native(tiny_llama_dir, "bfloat16")
+    assert frozen_weights(bf16) and key_of(bf16).weights
+    assert key_of(native(tiny_llama_dir, "bfloat16")) == key_of(bf16)  # same values: same packages
+    other = native(tiny_llama_dir, "bfloat16")
+    with torch.no_grad():
+        other.layers[0].mlp.down_proj.weight[0, 0] += 1
+    assert key_of(other).weights != key_of(bf16).weights
+    assert key_of(other).architecture == key_of(bf16).architecture
+    for dtype in ("float32", "int8", "int4"):
+        assert not frozen_weights(native(tiny_llama_dir, dtype)) and key_of(native(tiny_llama_dir, dtype)).weights == ""
+    monkeypatch.setattr(compiled, "MAX_FROZEN_BYTES", 1024)
+    assert not frozen_weights(bf16) and key_of(bf16).weights == ""
 
 
 @pytest.mark.slow

@@ -194,6 +194,20 @@ def test_default_model_compiled_tree_rows_equal_one_row_passes(default_int4_comp
 
 
 @pytest.mark.slow
+def test_default_model_layers_frozen_in_bf16_graphs_are_row_invariant(graph_root: Path) -> None:
+    """bf16 graphs hold their weights reordered for oneDNN (models/compiled.py): the first four
+    layers of the default model (its real shapes: in_features 576 and 1536), buckets of 2 and 16 rows."""
+    full = backend_of(load_model("default", "native", "bfloat16"))
+    backend = full.truncated(4)
+    layers = default_aux_layers(backend.llama_shape.num_layers)
+    key = GraphKey.of(backend, layers)
+    assert key.weights  # frozen
+    compile_model(backend, buckets=(2, 16), store=GraphStore(key, graph_root), progress=False)
+    for prefix in PREFIXES:
+        assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["lookup", "markov", "eagle3"])
 def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
     default_int4_compiled: LoadedModel, drafter: str

@@ -2,9 +2,16 @@
 
 A package is built once (``torch.export`` of ``NativeLlama.body`` + ``aoti_compile_and_package``,
 about a minute per bucket on 2 cores) and loaded by later processes in about a second
-(``aoti_load_package``). The weights are inputs of the graph, not constants baked into it, so a
-package holds code only (a few MB), every bucket reads the same weights in memory, and inductor's
-process-wide settings are never touched (its options are passed to the one compile call).
+(``aoti_load_package``). Inductor's process-wide settings are never touched (its options are passed
+to the one compile call). Where the weights live depends on the dtype (``frozen_weights``):
+
+- int8/int4 (and fp32): the weights are inputs of the graph, so a package holds code only (a few MB)
+  and every bucket reads the same weights in memory.
+- bf16 models of up to ``MAX_FROZEN_BYTES`` of layer weights: the layer weights are frozen into each
+  package as constants, which inductor reorders once for oneDNN. A product with a weight passed as an
+  input reorders it on every call: the default model's bf16 pass over 2 rows took 34 ms that way.
+  The cost is one copy of the layer weights per package, on disk and in memory, so the key then also
+  covers the weights' values.
 
 Packages live under ``$CAUSALDRAFT_HOME/compiled/<key>/``; the key covers everything that changes
 the graph: the model's architecture, weight names/shapes/dtypes and rope frequencies, the dtype,
@@ -43,8 +50,12 @@ COMPILED_FORMAT = 2
 # on one thread: without the first, fusions that differ between buckets change the rounding;
 # without the second, a one-row graph may split its reductions across threads. So each bucket
 # computes the same bits per row (docs/exactness.md).
-INDUCTOR_OPTIONS = {"freezing": False, "cpp.threads": 1, "emulate_precision_casts": True}
+INDUCTOR_OPTIONS = {"cpp.threads": 1, "emulate_precision_casts": True}
+FROZEN_DTYPES = (torch.bfloat16,)  # oneDNN's reordered bf16 products agree row for row (models/packed.py)
+MAX_FROZEN_BYTES = 512 << 20  # layer weights frozen into every package up to this size
+INPUT_WEIGHTS = ("embed_tokens.weight",)  # stays an input when the layers are frozen (a lookup, no product)
 SECONDS_PER_BUCKET = 75.0  # first-build estimate per bucket for the default model on 2 cores
+SECONDS_PER_FROZEN_BUCKET = 150.0  # the same with its weights frozen in (bf16)
 Runner = Callable[..., Any]
 
 
@@ -55,9 +66,33 @@ def weights_of(model: NativeLlama) -> dict[str, torch.Tensor]:
     return {name: named[name] for name in sorted(named)}
 
 
+def frozen_weights(model: NativeLlama) -> bool:
+    """Whether the packages hold the layer weights as constants (bf16 up to MAX_FROZEN_BYTES)."""
+    if model.quantized or model.dtype not in FROZEN_DTYPES:
+        return False
+    constants = [tensor for name, tensor in weights_of(model).items() if name not in INPUT_WEIGHTS]
+    return sum(tensor.numel() * tensor.element_size() for tensor in constants) <= MAX_FROZEN_BYTES
+
+
+def graph_inputs(model: NativeLlama, key: GraphKey) -> dict[str, torch.Tensor]:
+    """The weights a package takes as inputs: all of them, or only INPUT_WEIGHTS when frozen."""
+    weights = weights_of(model)
+    return {name: weights[name] for name in INPUT_WEIGHTS} if key.weights else weights
+
+
+def values_digest(model: NativeLlama) -> str:
+    """The values of the weights a frozen package holds (0.1 s for the default model's 212 MB)."""
+    digest = hashlib.sha256()
+    for name, tensor in weights_of(model).items():
+        if name not in INPUT_WEIGHTS:
+            digest.update(name.encode())
+            digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
 def architecture_digest(model: NativeLlama) -> str:
     """What the graph bakes in about the model: its shape, the rope constants and the names,
-    shapes and dtypes of its weights (not their values, which are inputs)."""
+    shapes and dtypes of its weights (their values are inputs, or GraphKey.weights when frozen)."""
     digest = hashlib.sha256()
     digest.update(repr(model.llama_shape).encode())
     digest.update(repr(model.rope_scaling).encode())
@@ -106,13 +141,15 @@ class GraphKey:
     code: str
     torch_version: str
     cpu: str
+    weights: str = ""  # the frozen weights' values_digest; "" when the weights are inputs
     format: int = COMPILED_FORMAT
 
     @staticmethod
     def of(model: NativeLlama, aux_layers: tuple[int, ...]) -> GraphKey:
         dtype = "int4" if model.quantized and _has_int4(model) else "int8" if model.quantized else str(model.dtype)
         architecture = architecture_digest(model)
-        return GraphKey(architecture, dtype, aux_layers, code_digest(), torch.__version__, cpu_signature())
+        weights = values_digest(model) if frozen_weights(model) else ""
+        return GraphKey(architecture, dtype, aux_layers, code_digest(), torch.__version__, cpu_signature(), weights)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
@@ -142,7 +179,7 @@ def compile_model(
     buckets = tuple(sorted(buckets))
     aux_layers = default_aux_layers(model.llama_shape.num_layers)
     store = store or GraphStore(GraphKey.of(model, aux_layers))
-    weights = weights_of(model)
+    weights = graph_inputs(model, store.key)
     packages = store.load_or_build(model, buckets, progress)
     model.graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
                     for bucket, package in packages.items()}  # fmt: skip
@@ -162,7 +199,7 @@ def compile_batch(
         raise CausalDraftError("compile the model (compile_model) before its batch graphs")
     buckets = tuple(sorted(buckets or batch_row_buckets(model)))
     packages = store.load_or_build(model, buckets, progress, sequences)
-    weights = weights_of(model)
+    weights = graph_inputs(model, store.key)
     model.batch_graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
                           for bucket, package in packages.items()}  # fmt: skip
     model.batch_sequences = sequences
@@ -219,7 +256,8 @@ class BoundGraph:
 
 
 class _Body(torch.nn.Module):
-    """The traced function: weights first, then the body's arguments."""
+    """The traced function: the weights passed as inputs first (``graph_inputs``; the others are the
+    module's own parameters, constants of a frozen package), then the body's arguments."""
 
     def __init__(self, model: NativeLlama, aux_layers: tuple[int, ...]) -> None:
         super().__init__()
@@ -293,21 +331,19 @@ class GraphStore:
         positions = positions.repeat(sequences, 1)
         slots = positions.clone()  # a distinct tensor: export would make one input of the same one passed twice
         args = (torch.zeros(sequences, bucket, dtype=torch.long), positions, slots, *layout.tensors(), keys, values)
-        weights = weights_of(model)
+        weights = graph_inputs(model, self.key)
         # the head length (the layout's span) and the cache capacity vary at run time; export
         # infers their ranges
         capacity, span = Dim.AUTO, Dim.AUTO
         dynamic = ({name: None for name in weights}, None, None, None, {2: span}, None,
                    [{2: capacity}] * len(keys), [{2: capacity}] * len(values))  # fmt: skip
-        with torch.no_grad():
+        options = {**INDUCTOR_OPTIONS, "freezing": bool(self.key.weights)}
+        with torch.no_grad(), tempfile.TemporaryDirectory(dir=self.directory) as work:  # freezing needs no_grad
             exported = torch.export.export(
                 _Body(model, self.key.aux_layers), (weights, *args), dynamic_shapes=dynamic, strict=False
             )
-        with tempfile.TemporaryDirectory(dir=self.directory) as work:
             scratch = Path(work) / self.package(bucket, sequences).name
-            torch._inductor.aoti_compile_and_package(
-                exported, package_path=str(scratch), inductor_configs=dict(INDUCTOR_OPTIONS)
-            )
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch), inductor_configs=options)
             scratch.replace(self.package(bucket, sequences))
         self.builds += 1
         runner = self.load(bucket, sequences)
@@ -325,7 +361,8 @@ class GraphStore:
                 runners[bucket] = runner
         missing = [bucket for bucket in buckets if bucket not in runners]
         if missing:
-            seconds = len(missing) * SECONDS_PER_BUCKET * max(0.3, model.llama_shape.num_layers / 30)
+            per_bucket = SECONDS_PER_FROZEN_BUCKET if self.key.weights else SECONDS_PER_BUCKET
+            seconds = len(missing) * per_bucket * max(0.3, model.llama_shape.num_layers / 30)
             estimate = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
             what = "graphs" if sequences == 1 else f"graphs for batches of {sequences} sequences"
             print(f"causaldraft: compiling {len(missing)} {what} for this model, dtype and CPU, once "

@@ -86,7 +86,7 @@ def values_digest(model: NativeLlama) -> str:
     for name, tensor in weights_of(model).items():
         if name not in INPUT_WEIGHTS:
             digest.update(name.encode())
-            digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+            digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return digest.hexdigest()[:16]
 
 

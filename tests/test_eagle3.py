@@ -3,6 +3,7 @@ feature generation == plain decoding, the sampling law, and loading errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from pathlib import Path
@@ -13,15 +14,27 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from causaldraft.api import load
+from causaldraft.cli import main
 from causaldraft.config import SamplingConfig
 from causaldraft.drafters.base import DraftContext
 from causaldraft.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
-from causaldraft.drafters.eagle3_model import CONFIG_FILE, WEIGHTS_FILE, Eagle3Layer, load_layer, new_layer, save_layer
+from causaldraft.drafters.eagle3_model import (
+    CONFIG_FILE,
+    LINEARS,
+    WEIGHTS_FILE,
+    Eagle3Layer,
+    load_layer,
+    new_layer,
+    pack_linears,
+    read_config,
+    save_layer,
+)
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
+from causaldraft.models.packed import PackedLinear
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -255,3 +268,63 @@ def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_
         for tree in ("chain", "static", "dynamic"):
             engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree=tree, calibrate=True)
             assert engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.0, seed=seed).token_ids == expected
+
+
+def test_packed_layer_drafts_what_the_plain_layer_drafts(tiny: LoadedModel) -> None:
+    """bf16 drafting runs the layer's products through oneDNN's reordered weights (pack_linears);
+    the drafts are those of the plain layer."""
+    plain_layer = random_layer(tiny).cast(torch.bfloat16)
+    packed = copy.deepcopy(plain_layer)
+    if not pack_linears(packed):
+        pytest.skip("oneDNN is not available")
+    assert all(isinstance(getattr(packed, name), PackedLinear) for name in LINEARS)
+    assert not pack_linears(random_layer(tiny))  # float32 stays as it is
+    c = plain_layer.config
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 3, 8):
+        embeds = torch.randn(rows, c.hidden_size, generator=generator).bfloat16()
+        features = torch.randn(rows, c.feature_size, generator=generator).bfloat16()
+        mask = torch.ones(rows, 10 + rows, dtype=torch.bool)
+        outs = []
+        for layer in (plain_layer, packed):
+            keys = torch.zeros(c.kv_heads, 32, c.head_dim, dtype=torch.bfloat16)
+            values = torch.randn(c.kv_heads, 32, c.head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+            keys[:, :10] = values[:, :10]
+            positions = torch.full((rows,), 10)
+            slots = torch.arange(10, 10 + rows)
+            with torch.inference_mode():
+                out = layer.step(embeds, layer.fc(features), positions, mask, keys, values, slots)
+                outs.append(layer.logits(out).float())
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+        assert torch.equal(outs[1].argmax(-1), outs[0].argmax(-1))
+
+
+def test_train_heads_cli_trains_eagle3_and_continues_from_init(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train-heads --heads eagle3 end to end on the tiny model; --init DIR continues from a trained
+    layer (its own checkpoint, the same draft vocabulary) and records where it started."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"{word} {index}" for index in range(24) for word in ["the cat"]) + "\n")
+    common = ["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(prompts), "--heads", "eagle3",
+              "--draft-vocab", "128", "--tokens", "400", "--max-new-tokens", "16", "--ttt-steps", "2",
+              "--rows-per-batch", "64", "--context", "8", "--dtype", "float32",
+              "--work", str(tmp_path / "work")]  # fmt: skip
+    assert main([*common, "--epochs", "2", "--out", str(tmp_path / "first")]) == 0
+    first, first_record = read_config(tmp_path / "first")
+    assert first.aux_layers == default_aux_layers(tiny_llama_config_layers(tiny_llama_dir))
+    assert main([*common, "--epochs", "1", "--init", str(tmp_path / "first"), "--out", str(tmp_path / "second")]) == 0
+    second, record = read_config(tmp_path / "second")
+    assert record["training"]["init"] == str(tmp_path / "first")  # type: ignore[index]
+    assert record["training"]["init_training"] == first_record["training"]  # type: ignore[index]
+    tensors = [load_file(str(tmp_path / name / WEIGHTS_FILE)) for name in ("first", "second")]
+    assert torch.equal(tensors[0]["vocab_ids"], tensors[1]["vocab_ids"])
+    assert not torch.equal(tensors[0]["fc.weight"], tensors[1]["fc.weight"])  # it trained on
+    checkpoints = sorted(path.name for path in (tmp_path / "work").glob("ckpt-eagle3-*.pt"))
+    assert len(checkpoints) == 2 and any("-init" in name for name in checkpoints)
+    assert main([*common[:6], "markov", "--init", str(tmp_path / "first"), "--out", str(tmp_path / "m")]) != 0
+    assert "--init applies to --heads eagle3 only" in capsys.readouterr().err
+
+
+def tiny_llama_config_layers(directory: Path) -> int:
+    return int(json.loads((directory / "config.json").read_text())["num_hidden_layers"])

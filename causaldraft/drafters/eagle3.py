@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
-from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, read_config
+from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, pack_linears, read_config
 from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
@@ -46,7 +46,8 @@ class Eagle3Drafter:
     name = "eagle3"
 
     def __init__(self, layer: Eagle3Layer, backend: Backend, lookup_merge: bool = True, int8: bool = False) -> None:
-        """``int8``: output projection in int8 per row (for quantized targets, as the heads do)."""
+        """``int8``: output projection in int8 per row (for quantized targets whose layer could not be
+        packed for oneDNN: ``pack_linears``)."""
         self.layer = layer
         self.backend = backend
         self.int8 = int8
@@ -204,5 +205,6 @@ def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-un
     if max(layer.config.aux_layers) > shape.num_layers:
         raise CausalDraftError(f"eagle3 aux layers {layer.config.aux_layers} exceed the target's {shape.num_layers}")
     quantized = target.backend.quantized
-    dtype = torch.bfloat16 if quantized else target.backend.dtype
-    return Eagle3Drafter(layer.cast(dtype), target.backend, options.lookup_merge, int8=quantized)
+    layer = layer.cast(torch.bfloat16 if quantized else target.backend.dtype)
+    packed = pack_linears(layer)  # bf16: every product through oneDNN's reordered weights
+    return Eagle3Drafter(layer, target.backend, options.lookup_merge, int8=quantized and not packed)

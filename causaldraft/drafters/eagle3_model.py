@@ -30,6 +30,7 @@ from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import RMSNorm, apply_rope, attend
+from causaldraft.models.packed import MIN_ROWS_PER_CALL, PackedLinear, pack, packed_available
 
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "eagle3.safetensors"
@@ -157,6 +158,26 @@ def new_layer(config: Eagle3Config, vocab_ids: torch.Tensor, lm_head: torch.Tens
     with torch.no_grad():
         layer.lm_head.weight.copy_(lm_head.detach().float().index_select(0, vocab_ids.long()))
     return layer
+
+
+LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def pack_linears(layer: Eagle3Layer) -> bool:
+    """Replace a bf16 layer's linears by PackedLinear (oneDNN, each weight reordered once instead of
+    at every call: a drafting level's products ~2x faster, measured); False (nothing changed) where
+    that is not possible. For drafting only: a PackedLinear's rows are computed alike whatever the
+    call's size, and a draft need not even be that (the target's verify pass decides the output)."""
+    if layer.dtype != torch.bfloat16 or not packed_available():
+        return False
+    for name in LINEARS:
+        linear = getattr(layer, name)
+        if isinstance(linear, nn.Linear):
+            weight = linear.weight
+            setattr(
+                layer, name, PackedLinear(pack(weight, MIN_ROWS_PER_CALL), (weight.shape[0], weight.shape[1]), weight)
+            )
+    return True
 
 
 def save_layer(layer: Eagle3Layer, directory: Path, extra: dict[str, object] | None = None) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from causaldraft.drafters.heads import HEAD_KINDS
+from causaldraft.errors import CausalDraftError
 from causaldraft.train.data import GenerationConfig
 from causaldraft.train.eagle3_recipe import Eagle3Recipe, run_eagle3_recipe
 from causaldraft.train.eagle3_train import Eagle3TrainConfig
@@ -42,12 +43,20 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--ttt-steps", type=int, default=eagle.steps, help="eagle3: unrolled draft depths trained")
     parser.add_argument("--rows-per-batch", type=int, default=eagle.rows_per_batch, help="eagle3: rows per step")
     parser.add_argument("--context", type=int, default=eagle.context, help="eagle3: prompt rows kept per sequence")
+    parser.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="eagle3: start from this trained layer (same target) instead of from scratch",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.heads == "eagle3":
         return run_eagle3(args)
+    if args.init is not None:
+        raise CausalDraftError("--init applies to --heads eagle3 only")
     generation = GenerationConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
                                   batch_size=args.gen_batch_size, threads=args.threads)  # fmt: skip
     training = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
@@ -75,7 +84,7 @@ def run_eagle3(args: argparse.Namespace) -> int:
     recipe = Eagle3Recipe(
         model=args.model, prompts=tuple(args.prompts), out=args.out, draft_vocab=args.draft_vocab, work=args.work,
         dtype=args.dtype, generation=generation, training=training,
-        command=shlex.join(["causaldraft", *sys.argv[1:]]),
+        command=shlex.join(["causaldraft", *sys.argv[1:]]), init=args.init,
     )  # fmt: skip
     summary = run_eagle3_recipe(recipe)
     print(json.dumps(summary, indent=2))

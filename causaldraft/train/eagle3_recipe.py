@@ -8,6 +8,7 @@ earlier runs on the same data.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from causaldraft.drafters.eagle3_model import Eagle3Config, new_layer, save_layer
+from causaldraft.drafters.eagle3_model import (
+    WEIGHTS_FILE,
+    Eagle3Config,
+    load_layer,
+    new_layer,
+    read_config,
+    save_layer,
+)
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
@@ -44,6 +52,7 @@ class Eagle3Recipe:
     generation: FeatureGenConfig = field(default_factory=FeatureGenConfig)
     training: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
     command: str = ""
+    init: Path | None = None  # a trained layer to start from (same target): more epochs or more data
 
     def __post_init__(self) -> None:
         if self.draft_vocab < 16:
@@ -74,6 +83,14 @@ def eagle3_config(loaded: LoadedModel, draft_vocab: int, aux_layers: tuple[int, 
     )  # fmt: skip
 
 
+def init_tag(init: Path | None) -> str:
+    """A checkpoint-name part naming the starting layer by its weights' digest ('' from scratch)."""
+    if init is None:
+        return ""
+    digest = hashlib.sha256((init / WEIGHTS_FILE).read_bytes()).hexdigest()[:10]
+    return f"-init{digest}"
+
+
 def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     timings: dict[str, float] = {}
     loaded = load_model(recipe.model, "native", recipe.dtype)
@@ -92,15 +109,27 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     torch.set_num_threads(recipe.generation.threads)
     sequences = load_sequences(work / "eagle3-data")
     train_set, eval_set = split_sequences(sequences, recipe.eval_every)
-    vocab_ids = draft_vocabulary(train_set, shape.vocab_size, recipe.draft_vocab)
-    config = eagle3_config(loaded, int(vocab_ids.numel()), aux_layers)
-    layer = new_layer(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
+    if not eval_set:
+        raise CausalDraftError(
+            f"{len(sequences)} generated sequences: evaluation holds out every {recipe.eval_every}th, so at least "
+            f"{recipe.eval_every} are needed (more prompts or a larger --tokens)"
+        )
+    if recipe.init is not None:
+        layer = load_layer(recipe.init, base_fingerprint(backend), shape.vocab_size, shape.hidden_size)
+        layer.requires_grad_(True)
+        config, vocab_ids = layer.config, layer.vocab_ids
+        if config.aux_layers != aux_layers:
+            raise CausalDraftError(f"--init {recipe.init}: aux layers {config.aux_layers}, the data has {aux_layers}")
+    else:
+        vocab_ids = draft_vocabulary(train_set, shape.vocab_size, recipe.draft_vocab)
+        config = eagle3_config(loaded, int(vocab_ids.numel()), aux_layers)
+        layer = new_layer(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
     with torch.inference_mode():
         embed = backend.embed(torch.arange(shape.vocab_size)).float()  # [vocab, hidden]
     t = recipe.training
     checkpoint = work / (
         f"ckpt-eagle3-v{config.draft_vocab}-s{t.seed}-e{t.epochs}-r{t.rows_per_batch}-t{t.steps}"
-        f"-c{t.context}-lr{t.lr}.pt"
+        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}.pt"
     )
     started = time.perf_counter()
     history = train_layer(layer, train_set, embed, t, checkpoint)
@@ -111,6 +140,11 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     held_tokens = torch.cat([seq.tokens[seq.prompt_length :] for seq in eval_set])
     summary: dict[str, object] = {
         "command": recipe.command,
+        **(
+            {}
+            if recipe.init is None
+            else {"init": str(recipe.init), "init_training": read_config(recipe.init)[1].get("training")}
+        ),
         "response_tokens": tokens,
         "sequences": len(sequences),
         "train_sequences": len(train_set),

@@ -172,7 +172,7 @@ def pack_linears(layer: Eagle3Layer) -> bool:
         return False
     for name in LINEARS:
         linear = getattr(layer, name)
-        if isinstance(linear, nn.Linear):
+        if isinstance(linear, nn.Linear) and isinstance(linear.weight, nn.Parameter):
             weight = linear.weight
             setattr(
                 layer, name, PackedLinear(pack(weight, MIN_ROWS_PER_CALL), (weight.shape[0], weight.shape[1]), weight)

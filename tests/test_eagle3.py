@@ -303,7 +303,8 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """train-heads --heads eagle3 end to end on the tiny model; --init DIR continues from a trained
-    layer (its own checkpoint, the same draft vocabulary) and records where it started."""
+    layer (its own checkpoint, the same draft vocabulary) and records where it started; --data-seed
+    answers the prompts in another order, in a data folder of its own."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(f"{word} {index}" for index in range(24) for word in ["the cat"]) + "\n")
     common = ["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(prompts), "--heads", "eagle3",
@@ -313,8 +314,23 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     assert main([*common, "--epochs", "2", "--out", str(tmp_path / "first")]) == 0
     first, first_record = read_config(tmp_path / "first")
     assert first.aux_layers == default_aux_layers(tiny_llama_config_layers(tiny_llama_dir))
-    assert main([*common, "--epochs", "1", "--init", str(tmp_path / "first"), "--out", str(tmp_path / "second")]) == 0
+    second_run = [
+        "--epochs",
+        "1",
+        "--data-seed",
+        "1",
+        "--init",
+        str(tmp_path / "first"),
+        "--out",
+        str(tmp_path / "second"),
+    ]
+    assert main([*common, *second_run]) == 0
     second, record = read_config(tmp_path / "second")
+    orders = [
+        [seq.tokens[: seq.prompt_length].tolist() for seq in load_sequences(tmp_path / "work" / name)]
+        for name in ("eagle3-data", "eagle3-data-seed1")
+    ]
+    assert orders[0] != orders[1]  # another order of the prompts
     assert record["training"]["init"] == str(tmp_path / "first")  # type: ignore[index]
     assert record["training"]["init_training"] == first_record["training"]  # type: ignore[index]
     tensors = [load_file(str(tmp_path / name / WEIGHTS_FILE)) for name in ("first", "second")]

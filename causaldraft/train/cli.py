@@ -34,6 +34,12 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--batch-size", type=int, default=training.batch_size)
     parser.add_argument("--lr", type=float, default=training.lr)
     parser.add_argument("--seed", type=int, default=training.seed)
+    parser.add_argument(
+        "--data-seed",
+        type=int,
+        default=generation.seed,
+        help="order of the prompts answered (another seed draws other prompts for more data)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=generation.max_new_tokens)
     parser.add_argument("--gen-batch-size", type=int, default=generation.batch_size)
     parser.add_argument("--threads", type=int, default=generation.threads, help="torch threads for data passes")
@@ -58,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.init is not None:
         raise CausalDraftError("--init applies to --heads eagle3 only")
     generation = GenerationConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
-                                  batch_size=args.gen_batch_size, threads=args.threads)  # fmt: skip
+                                  batch_size=args.gen_batch_size, threads=args.threads,
+                                  seed=args.data_seed)  # fmt: skip
     training = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     recipe = Recipe(
         model=args.model, prompts=tuple(args.prompts), kind=args.heads, out=args.out,
@@ -77,7 +84,7 @@ def run_eagle3(args: argparse.Namespace) -> int:
     batch = args.gen_batch_size if args.gen_batch_size != GenerationConfig().batch_size else None
     generation = FeatureGenConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
                                   batch_size=batch or FeatureGenConfig().batch_size,
-                                  threads=max(args.threads, 2))  # fmt: skip
+                                  threads=max(args.threads, 2), seed=args.data_seed)  # fmt: skip
     lr = args.lr if args.lr != TrainConfig().lr else defaults.lr
     training = Eagle3TrainConfig(epochs=args.epochs, rows_per_batch=args.rows_per_batch, steps=args.ttt_steps,
                                  context=args.context, lr=lr, seed=args.seed)  # fmt: skip

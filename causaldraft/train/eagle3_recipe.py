@@ -99,15 +99,17 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     shape = backend.shape
     aux_layers = default_aux_layers(shape.num_layers)
+    seed = recipe.generation.seed
+    data_dir = work / ("eagle3-data" if seed == 0 else f"eagle3-data-seed{seed}")  # one folder per prompt order
     started = time.perf_counter()
     tokens, generation_seconds = generate_features(
-        backend, loaded.tokenizer, recipe.prompts, work / "eagle3-data", aux_layers, recipe.generation,
+        backend, loaded.tokenizer, recipe.prompts, data_dir, aux_layers, recipe.generation,
         loaded.fingerprint,
     )  # fmt: skip
     timings["generate_s_this_run"] = time.perf_counter() - started
     timings["generate_s_all_runs"] = generation_seconds
     torch.set_num_threads(recipe.generation.threads)
-    sequences = load_sequences(work / "eagle3-data")
+    sequences = load_sequences(data_dir)
     train_set, eval_set = split_sequences(sequences, recipe.eval_every)
     if not eval_set:
         raise CausalDraftError(
@@ -129,7 +131,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     t = recipe.training
     checkpoint = work / (
         f"ckpt-eagle3-v{config.draft_vocab}-s{t.seed}-e{t.epochs}-r{t.rows_per_batch}-t{t.steps}"
-        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}.pt"
+        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}{'' if seed == 0 else f'-d{seed}'}.pt"
     )
     started = time.perf_counter()
     history = train_layer(layer, train_set, embed, t, checkpoint)

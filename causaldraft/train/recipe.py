@@ -52,11 +52,13 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     loaded = load_model(recipe.model, "native", recipe.dtype)
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     started = time.perf_counter()
-    generated = generate_data(loaded.model_dir, recipe.prompts, work / "gen", recipe.generation)
+    seed = recipe.generation.seed
+    suffix = "" if seed == 0 else f"-seed{seed}"  # each prompt order resumes in folders of its own
+    generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation)
     timings["generate_s"] = time.perf_counter() - started
     torch.set_num_threads(recipe.generation.threads)
     started = time.perf_counter()
-    features = compute_features(loaded.backend, work / "gen", work / "features", recipe.top_k)
+    features = compute_features(loaded.backend, work / f"gen{suffix}", work / f"features{suffix}", recipe.top_k)
     timings["features_s"] = time.perf_counter() - started
     train_set, eval_set = split_features(features, recipe.eval_every)
     backend = loaded.backend

@@ -314,16 +314,8 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     assert main([*common, "--epochs", "2", "--out", str(tmp_path / "first")]) == 0
     first, first_record = read_config(tmp_path / "first")
     assert first.aux_layers == default_aux_layers(tiny_llama_config_layers(tiny_llama_dir))
-    second_run = [
-        "--epochs",
-        "1",
-        "--data-seed",
-        "1",
-        "--init",
-        str(tmp_path / "first"),
-        "--out",
-        str(tmp_path / "second"),
-    ]
+    second_run = ["--epochs", "1", "--data-seed", "1", "--init", str(tmp_path / "first"),
+                  "--out", str(tmp_path / "second")]  # fmt: skip
     assert main([*common, *second_run]) == 0
     second, record = read_config(tmp_path / "second")
     orders = [

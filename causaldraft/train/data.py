@@ -90,6 +90,12 @@ def mix_prompts(files: Sequence[Path], seed: int) -> list[str]:
     return mixed
 
 
+def order_suffix(seed: int) -> str:
+    """The name suffix of a prompt order's data folders: none for order 0 (the original names), so
+    work caches made before orders existed still resume, ``-seedN`` otherwise."""
+    return "" if seed == 0 else f"-seed{seed}"
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Chat-template each prompt (as the engine does); drop those longer than ``max_tokens``."""
     encoded = []

@@ -29,6 +29,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
+from causaldraft.train.data import order_suffix
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
     draft_vocabulary,
@@ -99,8 +100,8 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     shape = backend.shape
     aux_layers = default_aux_layers(shape.num_layers)
-    seed = recipe.generation.seed
-    data_dir = work / ("eagle3-data" if seed == 0 else f"eagle3-data-seed{seed}")  # one folder per prompt order
+    order = order_suffix(recipe.generation.seed)
+    data_dir = work / f"eagle3-data{order}"  # one folder per prompt order
     started = time.perf_counter()
     tokens, generation_seconds = generate_features(
         backend, loaded.tokenizer, recipe.prompts, data_dir, aux_layers, recipe.generation,
@@ -131,7 +132,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     t = recipe.training
     checkpoint = work / (
         f"ckpt-eagle3-v{config.draft_vocab}-s{t.seed}-e{t.epochs}-r{t.rows_per_batch}-t{t.steps}"
-        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}{'' if seed == 0 else f'-d{seed}'}.pt"
+        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}{order}.pt"
     )
     started = time.perf_counter()
     history = train_layer(layer, train_set, embed, t, checkpoint)

@@ -16,7 +16,7 @@ from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
 from causaldraft.paths import causaldraft_home
-from causaldraft.train.data import GenerationConfig, generate_data
+from causaldraft.train.data import GenerationConfig, generate_data, order_suffix
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.features import compute_features, draft_vocabulary, split_features
 from causaldraft.train.trainer import TrainConfig, train
@@ -52,8 +52,7 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     loaded = load_model(recipe.model, "native", recipe.dtype)
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     started = time.perf_counter()
-    seed = recipe.generation.seed
-    suffix = "" if seed == 0 else f"-seed{seed}"  # each prompt order resumes in folders of its own
+    suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
     generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation)
     timings["generate_s"] = time.perf_counter() - started
     torch.set_num_threads(recipe.generation.threads)

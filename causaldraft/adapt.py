@@ -1,19 +1,31 @@
-"""Cost model and adaptation: how big a tree pays off, and when to stop speculating.
+"""Cost model and adaptation: how big and how deep a tree pays off, and when to stop speculating.
 
 t_verify(n) is measured on this machine (a short calibration at load, then refreshed from every
-step); the expected tokens per step of a tree pruned to n nodes is 1 + c_n * (sum of its node
-scores), where c_n is the observed calibration (accepted drafts / predicted) of the steps that ran
-at that budget class, or the global calibration c while a class is untried. A calibration per
-budget matters because drafters are over-confident in the tail: on MT-bench the 16 weakest nodes
-of a 32-node Markov tree added ~0.1 tokens per step while costing a third more verify time, which
-one global factor cannot see. The loop keeps the node budget maximising
-E[tokens] / (t_verify(n) + t_draft) and falls back to plain decoding when even the best budget is
-predicted slower than one token per t_verify(1), re-probing periodically.
+step); the expected tokens per step of a tree pruned to n nodes is 1 + c * (sum of its n - 1 best
+node scores), where c is the observed calibration (accepted drafts / predicted, capped at 1).
+The loop keeps the node budget maximising E[tokens] / (t_verify(n) + t_draft), with t_draft the
+drafting time the step actually spent; the root alone (a plain step) is one of the choices.
+
+How deep to draft is decided level by level, while drafting (``DepthGate``): before each level the
+gate compares the best expected rate of the tree drafted so far (pruned to its best budget, with
+the drafting time already spent) with an optimistic guess of the rate one level deeper (each
+frontier node's best children at fixed shares of its score, at the measured cost of that level).
+A level that cannot pay for itself is not drafted; when the first one cannot, the step decodes
+plainly (a re-probe every ``reprobe_every`` such steps keeps the estimates current).
+
+Replayed on teacher-forced drafting logs of 16 MT-bench prompts (docs/adaptation.md), this was
+worth +21-29 % tokens/s against the previous policy (the next tree sized from the last chosen
+budget, a calibration per budget class, and plain stretches after unprofitable steps), for Markov
+heads and eagle3 in bf16 and int4: most steps need one or two levels, a few (copied text, confident
+runs) need all of them, and drafting every level of a tree pruned to 3 nodes cost up to a third of
+the verify pass. Per-budget calibrations and the fallback's plain stretches each cost 4-8 % under
+the gate, so a sized policy has neither; the fallback remains for fixed trees (``--no-adapt``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,11 +42,14 @@ TOKENS_KEEP = 0.8  # tokens per speculative step, and drafting seconds
 CALIBRATION_KEEP = 0.9  # accepted drafts / predicted, globally and per budget class
 DEPTH_KEEP = 0.9  # hit rate per draft depth
 CALIBRATION_FLOOR = 0.05
-BUDGET_CALIBRATION_CEILING = 2.0  # a budget class may earn more than its scores predict, up to this
 NARROW_AT_HIT_RATE = 0.8  # depth-1 hit rate above which trees drop one branch per level
 PROBES_BEFORE_FALLBACK = 4  # speculative steps measured before speculation may be judged unprofitable
 STEPS_TO_FORGIVE = 8  # profitable steps after which past fallbacks are forgotten
 MAX_BACKOFF_DOUBLINGS = 4  # plain stretches grow 2x per consecutive fallback, up to 16x
+LEVEL_KEEP = 0.8  # measured seconds of drafting one tree level, per level
+# A frontier node's best children, guessed as shares of its score before drafting them: an optimistic
+# guess (the replayed logs: 0.4..0.7 for the best child changed tokens/s by < 2 %).
+CHILD_SHARES = (0.5, 0.25, 0.1)
 
 
 def round_up(sizes: tuple[int, ...], n: int) -> int:
@@ -142,8 +157,8 @@ class AdaptState:
     failures: int = 0
     probe_steps: int = 0
     depth_hits: list[float] = field(default_factory=list)
-    budget_calibration: dict[int, float] = field(default_factory=dict)  # budget class -> its own calibration
-    chosen_budget: int = 0  # the node budget of the last pruned draft (0: none yet)
+    level_seconds: list[float] = field(default_factory=list)  # drafting one tree level, by level
+    declined: int = 0  # consecutive steps whose gate declined the first level
     timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
 
 
@@ -151,46 +166,79 @@ def initial_adapt_state(tree: TreeConfig, timed: bool = True) -> AdaptState:
     return AdaptState(depth=tree.depth, width=tree.width, depth_hits=[0.5] * tree.depth, timed=timed)
 
 
-def budget_class(nodes: int) -> int:
-    """The candidate budget a tree of ``nodes`` nodes counts under."""
-    return round_up(BUDGETS, nodes)
-
-
-def budget_calibration(state: AdaptState, budget: int) -> float:
-    return state.budget_calibration.get(budget_class(budget), state.score_calibration)
-
-
 def expected_tokens(scores: list[float], state: AdaptState, budget: int) -> float:
     """Tokens a step emits, expected, from a tree pruned to ``budget`` nodes (scores sorted high to low)."""
-    return 1.0 + budget_calibration(state, budget) * sum(scores[: budget - 1]) if budget > 1 else 1.0
+    return 1.0 + state.score_calibration * sum(scores[: budget - 1]) if budget > 1 else 1.0
 
 
-def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int) -> int:
-    """The node count maximising expected tokens per second, given scores sorted high to low."""
-    best_nodes, best_rate = 1, 1.0 / cost(1)
+def best_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int,
+                spent: float) -> tuple[int, float]:  # fmt: skip
+    """(node count, expected tokens per second) maximising E[tokens] / (t_verify(n) + spent),
+    given scores sorted high to low and ``spent`` seconds of drafting."""
+    best_nodes, best_rate = 1, 1.0 / (cost(1) + spent)
     for budget in (b for b in BUDGETS if b <= min(max_nodes, len(scores) + 1)):
-        expected = expected_tokens(scores, state, budget)
-        rate = expected / (cost(budget) + state.draft_seconds)
+        rate = expected_tokens(scores, state, budget) / (cost(budget) + spent)
         if rate > best_rate:
             best_nodes, best_rate = budget, rate
-    return best_nodes
+    return best_nodes, best_rate
 
 
-def draft_limits(state: AdaptState, tree: TreeConfig) -> tuple[int, int]:
-    """(depth, max_nodes) to draft for: the tree's, or, once budgets are chosen from measured
-    costs, twice the last chosen budget (rounded up to a budget class), no deeper than that many
-    nodes allow (e.g. budget 2: 4 nodes, 3 levels; budget 8: 8 -> 16 nodes).
+def choose_budget(scores: list[float], state: AdaptState, cost: VerifyCost, max_nodes: int,
+                  spent: float | None = None) -> int:  # fmt: skip
+    """The node count maximising expected tokens per second, given scores sorted high to low (and the
+    drafting seconds spent on them; default: the running average)."""
+    return best_budget(scores, state, cost, max_nodes, state.draft_seconds if spent is None else spent)[0]
 
-    Drafting what will be pruned is pure cost (Markov heads: one vocabulary projection per level,
-    ~1.5 ms on this CPU): with a 2-node budget a full 4-level 32-node tree cost 5-9 ms to draft,
-    as much as the int4 verify pass itself. Room to double keeps budgets free to climb: allowing
-    only one class of growth per step starved bf16 Markov trees at 3 nodes (MT-bench: mean
-    accepted 1.74 instead of 2.48, 64 instead of 72 tokens/s).
-    """
-    if not state.chosen_budget:
-        return state.depth, tree.max_nodes
-    max_nodes = min(tree.max_nodes, round_up(BUDGETS, 2 * state.chosen_budget))
-    return min(state.depth, max_nodes - 1), max_nodes
+
+@dataclass
+class DepthGate:
+    """Whether to draft one more level of a tree: called by the tree builder before each level with
+    the scores drafted so far (and of merged candidates, e.g. prompt lookup's), the scores of the
+    frontier nodes it would expand, and the level's index (0: the root's children).
+
+    It drafts the level when the best expected rate one level deeper (the frontier's children guessed
+    at CHILD_SHARES of their parents' scores, plus the level's measured cost) beats the best rate of
+    what is drafted now; time already spent counts for both. It keeps the time of each call, so the
+    policy learns what each level costs. After ``reprobe_every`` steps without a first level it
+    drafts one anyway, to keep its estimates current.
+
+    Example (verify 25 ms for 1..8 nodes, a level 2 ms, calibration 1, no time spent yet): with
+    drafted scores [0.9, 0.3], the best is 3 nodes, (1 + 1.2) / 25 ms = 0.088 tokens/ms; the frontier
+    [0.9] guesses children [0.45, 0.225, 0.09], and 6 nodes would give (1 + 1.965) / 27 ms = 0.110
+    tokens/ms: deeper pays, so it drafts. With a level costing 20 ms it would not (0.066)."""
+
+    state: AdaptState
+    cost: VerifyCost
+    max_nodes: int
+    reprobe_every: int
+    started: float  # perf_counter when drafting began
+    always_first: bool = False  # never decline the first level (``--no-fallback``)
+    stamps: list[float] = field(default_factory=list)  # perf_counter at each call
+    allowed: int = 0  # levels it let the drafter draft
+
+    def level_cost(self, level: int) -> float:
+        known = self.state.level_seconds
+        return known[level] if level < len(known) else (known[-1] if known else 0.0)
+
+    def __call__(self, scores: Sequence[float], frontier: Sequence[float], level: int) -> bool:
+        now = time.perf_counter()
+        self.stamps.append(now)
+        spent = now - self.started
+        drafted = sorted(scores, reverse=True)
+        rate = best_budget(drafted, self.state, self.cost, self.max_nodes, spent)[1]
+        guesses = [score * share for score in frontier for share in CHILD_SHARES]
+        deeper = sorted([*drafted, *guesses], reverse=True)
+        deeper_rate = best_budget(deeper, self.state, self.cost, self.max_nodes, spent + self.level_cost(level))[1]
+        probe = level == 0 and (self.always_first or self.state.declined >= self.reprobe_every)
+        if deeper_rate > rate or probe:
+            self.allowed = level + 1
+            return True
+        return False
+
+    def level_times(self, draft_seconds: float) -> list[float]:
+        """Seconds each allowed level took (the last one until drafting ended)."""
+        ends = [*self.stamps[1:], self.started + draft_seconds]
+        return [end - start for start, end in zip(self.stamps[: self.allowed], ends, strict=False)]
 
 
 def update_after_step(
@@ -204,7 +252,8 @@ def update_after_step(
     draft_seconds: float,
     nodes: int,
 ) -> None:
-    """Fold one speculative step's outcome into the state; maybe switch to plain decoding."""
+    """Fold one speculative step's outcome into the state; maybe switch to plain decoding (fixed
+    trees only: a sized policy's DepthGate and budget choice decode plainly step by step instead)."""
     if not state.speculating:
         state.plain_steps_left -= 1
         if state.plain_steps_left <= 0:
@@ -222,10 +271,6 @@ def update_after_step(
         # every score (e.g. when merged lookup paths outperform the heads) buys oversized trees.
         ratio = min(1.0, max(CALIBRATION_FLOOR, accepted / predicted))
         state.score_calibration = ema(state.score_calibration, ratio, CALIBRATION_KEEP)
-        key = budget_class(nodes)
-        own = max(CALIBRATION_FLOOR, min(BUDGET_CALIBRATION_CEILING, accepted / predicted))
-        state.budget_calibration[key] = ema(state.budget_calibration.get(key, state.score_calibration), own,
-                                            CALIBRATION_KEEP)  # fmt: skip
     for depth in range(min(len(state.depth_hits), accepted + 1)):
         state.depth_hits[depth] = ema(state.depth_hits[depth], float(depth < accepted), DEPTH_KEEP)
     if decode.adapt and tree.kind == "chain":
@@ -233,7 +278,8 @@ def update_after_step(
     if decode.adapt and tree.kind != "chain":
         state.width = tree.width if state.depth_hits[0] < NARROW_AT_HIT_RATE else max(1, tree.width - 1)
     speedup = state.tokens_per_step * cost(1) / (cost(nodes) + state.draft_seconds)
-    if decode.fallback and state.timed and state.probe_steps >= PROBES_BEFORE_FALLBACK and speedup < 1.0:
+    stretches = decode.fallback and state.timed and not decode.adapt
+    if stretches and state.probe_steps >= PROBES_BEFORE_FALLBACK and speedup < 1.0:
         state.failures += 1
         state.speculating = False
         state.plain_steps_left = decode.reprobe_every * 2 ** min(state.failures - 1, MAX_BACKOFF_DOUBLINGS)
@@ -259,38 +305,59 @@ class BudgetPolicy:
     decode: DecodeConfig
     cost: VerifyCost
     state: AdaptState
+    gate: DepthGate | None = None  # the current step's, while sized
 
     @property
     def sized(self) -> bool:
         return self.decode.adapt and self.state.timed
 
     def limits(self) -> DraftLimits | None:
-        """What to draft this step; None: decode plainly (after a fallback)."""
+        """What to draft this step; None: decode plainly (after a fallback). Sized: with a fresh
+        ``DepthGate`` that decides, level by level, how deep the tree grows."""
         if not self.state.speculating:
             return None
-        depth, max_nodes = (
-            draft_limits(self.state, self.tree) if self.sized else (self.state.depth, self.tree.max_nodes)
-        )
-        return DraftLimits(depth, self.state.width, max_nodes)
+        self.gate = None
+        if self.sized:
+            decode = self.decode
+            self.gate = DepthGate(self.state, self.cost, self.tree.max_nodes, decode.reprobe_every,
+                                  time.perf_counter(), always_first=not decode.fallback)  # fmt: skip
+        return DraftLimits(self.state.depth, self.state.width, self.tree.max_nodes, self.gate)
 
     def prune(self, draft: Draft) -> Draft:
-        """Keep the node budget that maximises expected tokens per second (at least one draft
-        node: whether speculating pays at all is the fallback's call, from real acceptance)."""
-        if draft.tree.size <= 2 or not self.sized or draft.child_mode != "deterministic":
+        """Keep the node budget that maximises expected tokens per second, for the drafting time
+        this step spent. Under a gate the root alone may win (merged candidates too unsure to
+        verify; not with ``--no-fallback``); without one at least one draft node is kept."""
+        if draft.tree.size <= 1 or not self.sized or draft.child_mode != "deterministic":
             return draft
         ranked = sorted(draft.scores[1:], reverse=True)
-        budget = max(2, choose_budget(ranked, self.state, self.cost, self.tree.max_nodes))
-        self.state.chosen_budget = budget
-        if budget >= draft.tree.size:
-            return draft
-        return draft.pruned(budget)
+        if self.gate is None:
+            budget = max(2, choose_budget(ranked, self.state, self.cost, self.tree.max_nodes))
+        else:
+            spent = time.perf_counter() - self.gate.started
+            budget = choose_budget(ranked, self.state, self.cost, self.tree.max_nodes, spent)
+            budget = budget if self.decode.fallback else max(2, budget)
+        return draft if budget >= draft.tree.size else draft.pruned(budget)
 
     def observe(self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         nodes = draft.tree.size
         self.cost.update(nodes, verify_seconds)
         predicted = sum(draft.scores[1:]) if nodes > 1 else 0.0
+        if self.gate is not None:
+            self.observe_levels(self.gate, draft_seconds)
+            self.gate = None
         update_after_step(self.state, self.tree, self.decode, self.cost, nodes - 1, predicted, accepted,
                           draft_seconds, nodes)  # fmt: skip
+
+    def observe_levels(self, gate: DepthGate, draft_seconds: float) -> None:
+        """Fold the gated step's level times in; count steps whose first level was declined."""
+        known = self.state.level_seconds
+        for level, seconds in enumerate(gate.level_times(draft_seconds)):
+            if level < len(known):
+                known[level] = ema(known[level], seconds, LEVEL_KEEP)
+            else:
+                known.append(seconds)
+        if gate.stamps:
+            self.state.declined = 0 if gate.allowed else self.state.declined + 1
 
 
 @dataclass(frozen=True)
@@ -298,3 +365,4 @@ class DraftLimits:
     depth: int
     width: int
     max_nodes: int
+    gate: DepthGate | None = None

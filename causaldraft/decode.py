@@ -158,6 +158,7 @@ def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampl
         sampling=sampling,
         generator=state.generator,
         noise_seed=state.noise_seed,
+        gate=limits.gate,
     )
     return policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
 

@@ -82,6 +82,9 @@ def full_mask(compiled: CompiledTree, prefix_length: int) -> torch.Tensor:
 Candidates = list[tuple[int, float]]  # (token, draft probability) sorted by probability
 Expander = Callable[[Tree, list[int]], list[Candidates]]
 """Given the tree built so far and some of its nodes, return each node's candidate children."""
+LevelGate = Callable[[list[float], list[float], int], bool]
+"""Before each level: (scores of the nodes so far, scores of the frontier to expand, level index)
+-> whether to draft that level (``adapt.DepthGate``)."""
 
 
 @dataclass
@@ -113,13 +116,18 @@ def static_branching(depth: int, width: int) -> list[int]:
     return [width, max(1, width - 1)][:depth] + [1] * max(0, depth - 2)
 
 
-def build_tree(kind: str, root: int, expand: Expander, depth: int, width: int, max_nodes: int) -> TreeDraft:
+def build_tree(
+    kind: str, root: int, expand: Expander, depth: int, width: int, max_nodes: int,
+    gate: LevelGate | None = None, merged_scores: Sequence[float] = (),
+) -> TreeDraft:  # fmt: skip
     """Grow a chain, static or dynamic tree with a drafter's expander.
 
     chain: the top candidate at each depth. static: a fixed branching (static_branching).
     dynamic: at each depth the ``width`` best frontier nodes by cumulative probability are expanded
     together (one expander call) into ``width`` children each; at the end the ``max_nodes`` best
     nodes are kept (a child never outscores its parent, so kept nodes form a tree).
+    ``gate``: asked before each level whether to draft it (it sees ``merged_scores`` too: the scores
+    of candidates the drafter will merge in afterwards, e.g. prompt lookup's); a no ends the tree.
     """
     draft = TreeDraft(parents=[-1], tokens=[root], scores=[1.0])
     frontier = [0]
@@ -129,6 +137,9 @@ def build_tree(kind: str, root: int, expand: Expander, depth: int, width: int, m
             break
         if kind == "dynamic":
             frontier = sorted(frontier, key=lambda node: -draft.scores[node])[:width]
+        drafted = [*merged_scores, *draft.scores[1:]]
+        if gate is not None and not gate(drafted, [draft.scores[node] for node in frontier], level):
+            break
         candidates = expand(draft.freeze(), frontier)
         next_frontier = []
         keep = width if kind == "dynamic" else branching[level]

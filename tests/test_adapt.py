@@ -1,14 +1,14 @@
 """The cost model: verify cost by node count (eager and compiled buckets) and the budget choice."""
 
+import time
+
 import pytest
 
 from causaldraft.adapt import (
-    PROBES_BEFORE_FALLBACK,
     BudgetPolicy,
-    DraftLimits,
+    DepthGate,
     VerifyCost,
     choose_budget,
-    draft_limits,
     initial_adapt_state,
     update_after_step,
 )
@@ -43,8 +43,8 @@ def test_budget_grows_with_draft_confidence_and_shrinks_with_verify_cost() -> No
     assert choose_budget([0.01] * 31, state, steep, 32) == 1  # nothing worth verifying
 
 
-def test_fallback_to_plain_decoding_when_speculation_does_not_pay() -> None:
-    tree, decode = TreeConfig(), DecodeConfig()
+def test_fixed_trees_fall_back_to_plain_decoding_when_speculation_does_not_pay() -> None:
+    tree, decode = TreeConfig(), DecodeConfig(adapt=False)
     state = initial_adapt_state(tree)
     cost = VerifyCost({1: 0.020, 32: 0.080})
     for _ in range(4):
@@ -55,56 +55,66 @@ def test_fallback_to_plain_decoding_when_speculation_does_not_pay() -> None:
     assert state.speculating  # re-probes after the plain stretch
 
 
-def test_a_budget_whose_trees_underdeliver_gets_its_own_lower_calibration() -> None:
-    tree, decode = TreeConfig(), DecodeConfig()
-    state = initial_adapt_state(tree)
-    cost = VerifyCost({1: 0.020, 16: 0.030, 32: 0.040})
-    scores = [0.9, 0.9] + [0.1] * 29  # 16 nodes predict 3.1 drafts, 32 nodes 4.7
-    for _ in range(30):  # 16-node trees deliver what they predict
-        update_after_step(state, tree, decode, cost, 15, sum(scores[:15]), 3, 0.0, 16)
-    for _ in range(30):  # 32-node trees deliver nothing more: their tail is over-confident
-        update_after_step(state, tree, decode, cost, 31, sum(scores), 3, 0.0, 32)
-    assert state.budget_calibration[32] < 0.7 < 0.9 < state.budget_calibration[16]
-    # one global factor (~0.66 now) would rate 32 nodes (4.1 tokens / 40 ms) above 16 (3.0 / 30 ms)
-    assert choose_budget(scores, state, cost, 32) == 16
-
-
-def test_draft_limits_follow_the_chosen_budget_with_room_to_double() -> None:
-    tree = TreeConfig(depth=5, max_nodes=32)
-    state = initial_adapt_state(tree)
-    assert draft_limits(state, tree) == (5, 32)  # nothing chosen yet: the whole tree
-    state.chosen_budget = 2
-    assert draft_limits(state, tree) == (3, 4)  # a 2-node budget drafts 4 nodes, up to 3 levels deep
-    state.chosen_budget = 3
-    assert draft_limits(state, tree) == (5, 6)
-    state.chosen_budget = 8
-    assert draft_limits(state, tree) == (5, 16)
-    state.chosen_budget = 32
-    assert draft_limits(state, tree) == (5, 32)  # never past the configured ceiling
-
-
 def chain_draft(scores: list[float]) -> Draft:
     """A chain of len(scores) draft nodes under a root, with those cumulative scores."""
     size = len(scores) + 1
     return Draft(Tree(tuple(range(-1, size - 1)), tuple(range(size))), (1.0, *scores), "deterministic")
 
 
-def test_the_budget_policy_sizes_prunes_observes_and_falls_back_on_its_own() -> None:
+def test_the_depth_gate_drafts_a_level_only_when_it_pays() -> None:
+    """The example of DepthGate's docstring: verify 25 ms up to 8 nodes, calibration 1."""
+    state = initial_adapt_state(TreeConfig())
+    cost = VerifyCost({1: 0.025, 8: 0.025, 16: 0.050})
+    state.level_seconds = [0.002, 0.002]
+    gate = DepthGate(state, cost, 32, reprobe_every=16, started=time.perf_counter())
+    assert gate([0.9, 0.3], [0.9], 1) and gate.allowed == 2  # 2.97 / 27 ms beats 2.2 / 25 ms
+    state.level_seconds = [0.020, 0.020]
+    assert not DepthGate(state, cost, 32, reprobe_every=16, started=time.perf_counter())([0.9, 0.3], [0.9], 1)
+    # a first level whose best guesses cannot pay for its 30 ms: the step decodes plainly
+    state.level_seconds = [0.030]
+    assert not DepthGate(state, cost, 32, reprobe_every=16, started=time.perf_counter())([], [1.0], 0)
+    # ... unless told never to fall back
+    assert DepthGate(state, cost, 32, reprobe_every=16, started=time.perf_counter(), always_first=True)([], [1.0], 0)
+
+
+def test_the_depth_gate_times_each_level_it_allowed() -> None:
+    gate = DepthGate(initial_adapt_state(TreeConfig()), VerifyCost({1: 0.02}), 32, reprobe_every=16, started=100.0)
+    gate.stamps, gate.allowed = [100.001, 100.003, 100.004], 2  # the third call declined level 2
+    assert gate.level_times(0.006) == pytest.approx([0.002, 0.001])
+    gate.allowed = 3  # allowed: the last level ran until drafting ended
+    assert gate.level_times(0.006) == pytest.approx([0.002, 0.001, 0.002])
+
+
+def test_the_sized_policy_gates_prunes_learns_level_costs_and_reprobes() -> None:
     tree, decode = TreeConfig(kind="chain", depth=8, width=1, max_nodes=32), DecodeConfig()
     cost = VerifyCost({1: 0.020, 2: 0.021, 4: 0.022, 8: 0.040, 16: 0.080})
     policy = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree))
-    assert policy.limits() == DraftLimits(8, 1, 32)  # nothing chosen yet: the whole tree
+    limits = policy.limits()
+    assert limits is not None and (limits.depth, limits.width, limits.max_nodes) == (8, 1, 32)
+    assert limits.gate is policy.gate is not None
+    assert limits.gate([], [1.0], 0)  # no level cost known yet: drafting looks free
     pruned = policy.prune(chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01]))
-    assert pruned.tree.size == 4 and policy.state.chosen_budget == 4  # 8 nodes cost twice as much for ~0.3 tokens
-    assert policy.limits() == DraftLimits(7, 1, 8)  # room to double
-    policy.observe(pruned, accepted=3, draft_seconds=0.001, verify_seconds=0.030)
+    assert pruned.tree.size == 4  # 8 nodes cost twice as much for ~0.3 tokens
+    policy.observe(pruned, accepted=3, draft_seconds=0.004, verify_seconds=0.030)
     assert cost.seconds[4] == pytest.approx(0.9 * 0.022 + 0.1 * 0.030)  # the measured cost is refined
-    steps = 0
-    while policy.limits() is not None and steps < 20:  # nothing accepted: plain decoding pays better
-        policy.observe(pruned, accepted=0, draft_seconds=0.001, verify_seconds=0.030)
-        steps += 1
-    assert PROBES_BEFORE_FALLBACK <= steps < 20 and policy.state.plain_steps_left == decode.reprobe_every
+    assert policy.state.level_seconds and policy.gate is None
+    policy.limits()
+    assert policy.prune(chain_draft([0.01, 0.001])).tree.size == 1  # nothing worth verifying: the root alone
+    policy.observe(chain_draft([]), accepted=0, draft_seconds=0.0, verify_seconds=0.020)
+    # levels that cost more than they can bring are declined; every reprobe_every-th step probes
+    policy.state.level_seconds = [0.050]
+    declined = 0
+    while True:
+        limits = policy.limits()
+        assert limits is not None  # no plain stretches under a gate
+        assert limits.gate is not None
+        if limits.gate([], [1.0], 0):
+            break
+        declined += 1
+        policy.observe(chain_draft([]), accepted=0, draft_seconds=0.0, verify_seconds=0.020)
+    assert declined == decode.reprobe_every
     untimed = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree, timed=False))
+    assert untimed.limits() is not None and untimed.gate is None
     draft = chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01])
     assert untimed.prune(draft) is draft  # reproducible runs never size drafts from the clock
 

@@ -78,3 +78,18 @@ def test_tree_depths_are_computed_once_with_the_tree() -> None:
     tree = Tree((-1, 0, 0, 1, 3), (5, 6, 7, 8, 9))
     assert tree.depths == (0, 1, 1, 2, 3)
     assert compile_tree(tree).depths.tolist() == list(tree.depths)
+
+
+def test_a_gate_ends_the_tree_before_a_level_and_sees_merged_scores() -> None:
+    calls: list[tuple[list[float], list[float], int]] = []
+
+    def two_levels(scores: list[float], frontier: list[float], level: int) -> bool:
+        calls.append((scores, frontier, level))
+        return level < 2
+
+    draft = build_tree("dynamic", 1, fixed_expander, depth=4, width=2, max_nodes=32, gate=two_levels,
+                       merged_scores=[0.7])  # fmt: skip
+    assert max(Tree(tuple(draft.parents), tuple(draft.tokens)).depths) == 2
+    assert [level for _, _, level in calls] == [0, 1, 2]
+    assert calls[0] == ([0.7], [1.0], 0)  # before level 0: only the merged candidates, the root's score
+    assert calls[2][0][0] == 0.7 and len(calls[2][0]) == len(draft.tokens)  # merged + every drafted node

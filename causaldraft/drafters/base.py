@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from causaldraft.config import SamplingConfig
-from causaldraft.tree import Tree, TreeDraft, prune
+from causaldraft.tree import LevelGate, Tree, TreeDraft, prune
 from causaldraft.verify import Acceptance
 
 
@@ -25,6 +25,8 @@ class DraftContext:
     # Gumbel sampling: the seed of the target's noise (sampling.gumbel_noise(seed, position, vocab));
     # a drafter ranks its guesses by the same perturbed scores. None: greedy or rejection sampling.
     noise_seed: int | None = None
+    # asked before each tree level whether to draft it (the budget policy's DepthGate); None: every level
+    gate: LevelGate | None = None
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,8 @@ class DraftModelDrafter:
                     depth_of[node] = depth_of[tree.parents[node]] + 1
             return [self.candidates(probs_of[node], context, sampled, base + depth_of[node]) for node in nodes]
 
-        draft = build_tree(context.tree_kind, tokens[-1], expand, context.depth, context.width, context.max_nodes)
+        draft = build_tree(context.tree_kind, tokens[-1], expand, context.depth, context.width, context.max_nodes,
+                           context.gate)  # fmt: skip
         self.cache.rollback(base)
         if not sampled:
             return Draft.from_tree_draft(draft)

@@ -121,7 +121,9 @@ class Eagle3Drafter:
         budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
-            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget)
+            merged = self.lookup.scores(paths) if self.lookup is not None else []
+            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
+                               context.gate, merged)  # fmt: skip
         if self.lookup is not None:
             self.lookup.merge(draft, paths, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")

@@ -117,6 +117,14 @@ class LookupMerge:
         """Tree nodes the paths may add (distinct prefixes)."""
         return len({path[:end] for path in paths for end in range(1, len(path) + 1)})
 
+    def scores(self, paths: list[tuple[int, ...]]) -> list[float]:
+        """The scores ``merge`` gives the paths' nodes (a shared prefix once, at its best score)."""
+        best: dict[tuple[int, ...], float] = {}
+        for rank, path in enumerate(paths):
+            for end in range(1, len(path) + 1):
+                best[path[:end]] = max(best.get(path[:end], 0.0), self.lookup.score(end - 1, rank))
+        return list(best.values())
+
     def merge(self, draft: TreeDraft, paths: list[tuple[int, ...]], max_nodes: int) -> None:
         for rank, path in enumerate(paths):
             for end in range(1, len(path) + 1):

@@ -13,7 +13,7 @@ frontier node's best children at fixed shares of its score, at the measured cost
 A level that cannot pay for itself is not drafted; when the first one cannot, the step decodes
 plainly (a re-probe every ``reprobe_every`` such steps keeps the estimates current).
 
-Replayed on teacher-forced drafting logs of 16 MT-bench prompts (docs/adaptation.md), this was
+Replayed on teacher-forced drafting logs of 16 MT-bench prompts (docs/design.md, "Cost model"), this was
 worth +21-29 % tokens/s against the previous policy (the next tree sized from the last chosen
 budget, a calibration per budget class, and plain stretches after unprofitable steps), for Markov
 heads and eagle3 in bf16 and int4: most steps need one or two levels, a few (copied text, confident

@@ -158,7 +158,7 @@ class AdaptState:
     probe_steps: int = 0
     depth_hits: list[float] = field(default_factory=list)
     level_seconds: list[float] = field(default_factory=list)  # drafting one tree level, by level
-    declined: int = 0  # consecutive steps whose gate declined the first level
+    declined: int = 0  # consecutive sized steps that verified the root alone (drafted nothing worth it)
     timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
 
 
@@ -199,8 +199,8 @@ class DepthGate:
     It drafts the level when the best expected rate one level deeper (the frontier's children guessed
     at CHILD_SHARES of their parents' scores, plus the level's measured cost) beats the best rate of
     what is drafted now; time already spent counts for both. It keeps the time of each call, so the
-    policy learns what each level costs. After ``reprobe_every`` steps without a first level it
-    drafts one anyway, to keep its estimates current.
+    policy learns what each level costs. After ``reprobe_every`` steps that verified the root alone
+    it drafts a first level anyway (and ``prune`` keeps a draft node), to keep the estimates current.
 
     Example (verify 25 ms for 1..8 nodes, a level 2 ms, calibration 1, no time spent yet): with
     drafted scores [0.9, 0.3], the best is 3 nodes, (1 + 1.2) / 25 ms = 0.088 tokens/ms; the frontier
@@ -335,7 +335,8 @@ class BudgetPolicy:
         else:
             spent = time.perf_counter() - self.gate.started
             budget = choose_budget(ranked, self.state, self.cost, self.tree.max_nodes, spent)
-            budget = budget if self.decode.fallback else max(2, budget)
+            probe = not self.decode.fallback or self.state.declined >= self.decode.reprobe_every
+            budget = max(2, budget) if probe else budget
         return draft if budget >= draft.tree.size else draft.pruned(budget)
 
     def observe(self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
@@ -344,20 +345,19 @@ class BudgetPolicy:
         predicted = sum(draft.scores[1:]) if nodes > 1 else 0.0
         if self.gate is not None:
             self.observe_levels(self.gate, draft_seconds)
+            self.state.declined = 0 if nodes > 1 else self.state.declined + 1
             self.gate = None
         update_after_step(self.state, self.tree, self.decode, self.cost, nodes - 1, predicted, accepted,
                           draft_seconds, nodes)  # fmt: skip
 
     def observe_levels(self, gate: DepthGate, draft_seconds: float) -> None:
-        """Fold the gated step's level times in; count steps whose first level was declined."""
+        """Fold the gated step's level times in."""
         known = self.state.level_seconds
         for level, seconds in enumerate(gate.level_times(draft_seconds)):
             if level < len(known):
                 known[level] = ema(known[level], seconds, LEVEL_KEEP)
             else:
                 known.append(seconds)
-        if gate.stamps:
-            self.state.declined = 0 if gate.allowed else self.state.declined + 1
 
 
 @dataclass(frozen=True)

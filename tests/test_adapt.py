@@ -112,7 +112,10 @@ def test_the_sized_policy_gates_prunes_learns_level_costs_and_reprobes() -> None
             break
         declined += 1
         policy.observe(chain_draft([]), accepted=0, draft_seconds=0.0, verify_seconds=0.020)
-    assert declined == decode.reprobe_every
+    assert declined == decode.reprobe_every - 1  # the root-alone step above counts too
+    assert policy.prune(chain_draft([0.01, 0.001])).tree.size == 2  # a probe verifies a draft node, however unsure
+    policy.observe(chain_draft([0.01]), accepted=0, draft_seconds=0.0, verify_seconds=0.020)
+    assert policy.state.declined == 0
     untimed = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree, timed=False))
     assert untimed.limits() is not None and untimed.gate is None
     draft = chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01])

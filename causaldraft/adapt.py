@@ -13,8 +13,8 @@ frontier node's best children at fixed shares of its score, at the measured cost
 A level that cannot pay for itself is not drafted; when the first one cannot, the step decodes
 plainly (a re-probe every ``reprobe_every`` such steps keeps the estimates current).
 
-Replayed on teacher-forced drafting logs of 16 MT-bench prompts (docs/design.md, "Cost model"), this was
-worth +21-29 % tokens/s against the previous policy (the next tree sized from the last chosen
+Replayed on teacher-forced drafting logs of 16 MT-bench prompts (docs/design.md, "Cost model"), this
+was worth +18-29 % tokens/s against the previous policy (the next tree sized from the last chosen
 budget, a calibration per budget class, and plain stretches after unprofitable steps), for Markov
 heads and eagle3 in bf16 and int4: most steps need one or two levels, a few (copied text, confident
 runs) need all of them, and drafting every level of a tree pruned to 3 nodes cost up to a third of
@@ -39,7 +39,7 @@ BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 # moving averages: the weight an old value keeps at each step
 COST_KEEP = 0.9  # measured verify seconds per node count
 TOKENS_KEEP = 0.8  # tokens per speculative step, and drafting seconds
-CALIBRATION_KEEP = 0.9  # accepted drafts / predicted, globally and per budget class
+CALIBRATION_KEEP = 0.9  # accepted drafts / predicted
 DEPTH_KEEP = 0.9  # hit rate per draft depth
 CALIBRATION_FLOOR = 0.05
 NARROW_AT_HIT_RATE = 0.8  # depth-1 hit rate above which trees drop one branch per level

@@ -159,6 +159,30 @@ def test_drafting_computes_exactly_what_training_unrolls(tiny: LoadedModel, gene
             assert prob == pytest.approx(float(expected.max()), abs=1e-4), depth
 
 
+def test_a_declined_first_level_leaves_the_prefix_rows_queued(tiny: LoadedModel, generated: Path) -> None:
+    """A step whose gate declines drafting costs the layer nothing: the prefix rows stay queued, and the
+    next tree (which runs them) is the tree a drafter that had caught up at once would draft."""
+    layer = random_layer(tiny)
+    seq = max(load_sequences(generated), key=lambda s: s.response_length)
+    tokens = seq.tokens.tolist()
+    root_row = seq.prompt_length + 2
+    context_tokens = tuple(tokens[: root_row + 2])
+
+    def context(gate: object) -> DraftContext:
+        return DraftContext(context_tokens, None, "dynamic", 3, 2, 8, SamplingConfig(), None, gate=gate)  # type: ignore[arg-type]
+
+    lazy, eager = (Eagle3Drafter(layer, tiny.backend, lookup_merge=False) for _ in range(2))
+    for drafter in (lazy, eager):
+        drafter.start(context_tokens, seq.features[: root_row + 1].float())
+    declined = lazy.propose(context(lambda scores, frontier, level: False))
+    assert declined.tree.size == 1 and lazy.committed == 0 and len(lazy.pending_tokens) == root_row + 1
+    with torch.no_grad():
+        eager.catch_up()
+    drafted = lazy.propose(context(None))
+    assert lazy.committed == root_row + 1 and not lazy.pending_tokens and drafted.tree.size > 1
+    assert drafted.tree == eager.propose(context(None)).tree
+
+
 def test_trained_layer_beats_random_and_accepts_more(tiny: LoadedModel, generated: Path, tmp_path: Path) -> None:
     sequences = load_sequences(generated)
     vocab_ids = draft_vocabulary(sequences, 259, 128)

@@ -3,9 +3,9 @@
 Draft cache (one layer, rows = rope positions): rows 0 .. T-1 mirror the target's committed prefix
 (row p: token x_{p+1}, hidden fc(a_p) from the target's features). Features arrive after each
 step for the accepted path (root and accepted nodes) and at prefill for the prompt; they wait in
-``pending`` until the next ``propose`` runs them through the layer in one pass, so steps that do
-not speculate (fallback) cost nothing here. The last prefix row (token = the root) predicts the
-root's children.
+``pending`` until a tree's first expansion runs them through the layer in one pass, so steps that
+do not draft (the cost model's gate declined the first level, or a fallback) cost nothing here.
+The last prefix row (token = the root) predicts the root's children.
 
 Drafting a tree: the nodes of depth d >= 1 are one pass of the layer, each node a row at position
 T - 1 + d with its own token and its parent row's output as hidden, attending to the prefix and
@@ -113,9 +113,10 @@ class Eagle3Drafter:
         self.pending_tokens, self.pending_features = [], []
 
     def propose(self, context: DraftContext) -> Draft:
-        with torch.inference_mode():
-            self.catch_up()
-        if self.root_out is None or self.committed != len(context.tokens) - 1:
+        """The tree; the queued prefix rows run at its first expansion (``expander``), so a step whose
+        gate declines the first level leaves them queued for a later step, at no cost now."""
+        rows = self.committed + len(self.pending_tokens)
+        if rows != len(context.tokens) - 1 or (self.root_out is None and not self.pending_tokens):
             return Draft.root_only(context.tokens[-1])
         paths = self.lookup.paths(context) if self.lookup is not None else []
         budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
@@ -133,14 +134,17 @@ class Eagle3Drafter:
         (all of one depth), then each node's top children."""
         layer = self.layer
         count = 1 if context.tree_kind == "chain" else context.width
-        assert self.root_out is not None
-        outputs: dict[int, torch.Tensor] = {0: self.root_out}  # node -> its row's output [h]
-        slots: dict[int, int] = {0: self.committed - 1}  # node -> its cache row
-        written = self.committed
+        outputs: dict[int, torch.Tensor] = {}  # node -> its row's output [h]
+        slots: dict[int, int] = {}  # node -> its cache row
+        written = 0
         root_position = len(context.tokens) - 1
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             nonlocal written
+            if 0 not in outputs:  # the first expansion: run the queued prefix rows; the last one is the root's
+                self.catch_up()
+                assert self.root_out is not None
+                outputs[0], slots[0], written = self.root_out, self.committed - 1, self.committed
             fresh = [node for node in nodes if node not in outputs]
             depths = tree.depths
             if fresh:

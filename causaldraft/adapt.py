@@ -325,18 +325,16 @@ class BudgetPolicy:
 
     def prune(self, draft: Draft) -> Draft:
         """Keep the node budget that maximises expected tokens per second, for the drafting time
-        this step spent. Under a gate the root alone may win (merged candidates too unsure to
-        verify; not with ``--no-fallback``); without one at least one draft node is kept."""
+        this step spent (measured from ``limits()``; the running average if it was not asked). The
+        root alone may win (candidates too unsure to verify), except when probing or with
+        ``--no-fallback``."""
         if draft.tree.size <= 1 or not self.sized or draft.child_mode != "deterministic":
             return draft
         ranked = sorted(draft.scores[1:], reverse=True)
-        if self.gate is None:
-            budget = max(2, choose_budget(ranked, self.state, self.cost, self.tree.max_nodes))
-        else:
-            spent = time.perf_counter() - self.gate.started
-            budget = choose_budget(ranked, self.state, self.cost, self.tree.max_nodes, spent)
-            probe = not self.decode.fallback or self.state.declined >= self.decode.reprobe_every
-            budget = max(2, budget) if probe else budget
+        spent = time.perf_counter() - self.gate.started if self.gate is not None else self.state.draft_seconds
+        budget = choose_budget(ranked, self.state, self.cost, self.tree.max_nodes, spent)
+        probe = not self.decode.fallback or self.state.declined >= self.decode.reprobe_every
+        budget = max(2, budget) if probe else budget
         return draft if budget >= draft.tree.size else draft.pruned(budget)
 
     def observe(self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float) -> None:

@@ -137,9 +137,10 @@ def build_tree(
             break
         if kind == "dynamic":
             frontier = sorted(frontier, key=lambda node: -draft.scores[node])[:width]
-        drafted = [*merged_scores, *draft.scores[1:]]
-        if gate is not None and not gate(drafted, [draft.scores[node] for node in frontier], level):
-            break
+        if gate is not None:
+            frontier_scores = [draft.scores[node] for node in frontier]
+            if not gate([*merged_scores, *draft.scores[1:]], frontier_scores, level):
+                break
         candidates = expand(draft.freeze(), frontier)
         next_frontier = []
         keep = width if kind == "dynamic" else branching[level]

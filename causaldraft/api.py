@@ -316,4 +316,4 @@ def load(
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
     decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, frozenset(eos), target.prefill)
-    return Engine(target, decoder, config.drafter, initial_adapt_state(tree_config))
+    return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config))

@@ -33,7 +33,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     result = engine.generate(args.prompt, **options)
     if args.json:
-        stats = {**result.stats.summary(), "dtype": engine.model.dtype, "compiled": engine.compiled}
+        stats = {**result.stats.summary(), "drafter": engine.drafter_name, "dtype": engine.model.dtype,
+                 "compiled": engine.compiled}  # fmt: skip
         payload = {"text": result.text, "token_ids": result.token_ids, "stats": stats,
                    "finish_reason": result.finish_reason}  # fmt: skip
         print(json.dumps(payload))
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     add_model_flags(generate)
-    add_drafter_flags(generate, default_drafter="lookup")
+    add_drafter_flags(generate, default_drafter="auto")
     add_sampling_flags(generate)
     generate.set_defaults(func=run_generate)
 
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--chat", action="store_true")
     show.add_argument("--png", default=None, help="also save the mask as a PNG")
     add_model_flags(show)
-    add_drafter_flags(show, default_drafter="lookup")
+    add_drafter_flags(show, default_drafter="auto")
     show.set_defaults(func=run_show_tree)
 
     compile_command = commands.add_parser("compile", help="build the compiled graphs for a model ahead (kept on disk)")

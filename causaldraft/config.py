@@ -110,7 +110,7 @@ class EngineConfig:
     backend: str = "native"
     dtype: str = "auto"
     compile: bool = False
-    drafter: str = "markov"
+    drafter: str = "auto"  # trained heads that fit the model (shipped for the default one), else lookup
     tree: str = "dynamic"
     depth: int | None = None
     width: int | None = None

@@ -21,7 +21,7 @@ def test_generate_json_contract(tiny_llama_dir: Path, capsys: pytest.CaptureFixt
     assert set(payload) >= {"text", "token_ids", "stats"}
     assert len(payload["token_ids"]) == 12
     assert set(payload["stats"]) >= {"new_tokens", "target_forwards", "mean_accepted", "wall_s", "tokens_per_s"}
-    assert payload["stats"]["new_tokens"] == 12
+    assert payload["stats"]["new_tokens"] == 12 and payload["stats"]["drafter"] == "lookup"
     assert payload["stats"]["mean_accepted"] == pytest.approx(12 / payload["stats"]["target_forwards"], abs=1e-3)
 
 

@@ -22,6 +22,7 @@ from causaldraft.drafters.eagle3_model import (
     CONFIG_FILE,
     LINEARS,
     WEIGHTS_FILE,
+    DraftLinear,
     Eagle3Layer,
     load_layer,
     new_layer,
@@ -34,7 +35,6 @@ from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
-from causaldraft.models.packed import PackedLinear
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -295,13 +295,13 @@ def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_
 
 
 def test_packed_layer_drafts_what_the_plain_layer_drafts(tiny: LoadedModel) -> None:
-    """bf16 drafting runs the layer's products through oneDNN's reordered weights (pack_linears);
-    the drafts are those of the plain layer."""
+    """bf16 drafting runs the layer's products in int8 for one or two rows and through oneDNN's
+    reordered weights for more (pack_linears); the drafts are those of the plain layer."""
     plain_layer = random_layer(tiny).cast(torch.bfloat16)
     packed = copy.deepcopy(plain_layer)
     if not pack_linears(packed):
         pytest.skip("oneDNN is not available")
-    assert all(isinstance(getattr(packed, name), PackedLinear) for name in LINEARS)
+    assert all(isinstance(getattr(packed, name), DraftLinear) for name in LINEARS)
     assert not pack_linears(random_layer(tiny))  # float32 stays as it is
     c = plain_layer.config
     generator = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ from causaldraft.drafters.heads import (
     new_heads,
     save_heads,
 )
-from causaldraft.drafters.registry import DrafterOptions
+from causaldraft.drafters.registry import DrafterOptions, auto_choice
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.quant import Int8Linear
@@ -136,11 +136,31 @@ def test_corrupt_or_missing_files(tiny: LoadedModel, tmp_path: Path) -> None:
         load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
 
 
+def test_auto_runs_the_trained_drafter_that_fits(tiny: LoadedModel, tmp_path: Path) -> None:
+    from tests.test_eagle3 import layer_dir
+
+    # the shipped heads were trained for the default model, not this one: prompt lookup
+    assert auto_choice(tiny, DrafterOptions()) == "lookup"
+    assert load(loaded=tiny, calibrate=False).drafter_name == "lookup"
+    for kind in ("markov", "medusa"):
+        heads_dir = random_heads_dir(tiny, kind, tmp_path / kind)
+        engine = load(loaded=tiny, calibrate=False, heads=str(heads_dir))
+        assert engine.drafter_name == kind and isinstance(engine.decoder.drafter, HeadsDrafter)
+    eagle3_dir = layer_dir(tiny, tmp_path / "eagle3")
+    assert load(loaded=tiny, calibrate=False, heads=str(eagle3_dir)).drafter_name == "eagle3"
+    with pytest.raises(CausalDraftError, match="does not exist"):
+        auto_choice(tiny, DrafterOptions(heads=str(tmp_path / "nowhere")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CausalDraftError, match="no trained drafter"):
+        auto_choice(tiny, DrafterOptions(heads=str(tmp_path / "empty")))
+
+
 @pytest.mark.slow
 def test_shipped_default_heads_match_plain_decoding() -> None:
     questions = Path("/work/shared/data/bench/mt_bench_question.jsonl").read_text().splitlines()
     prompts = [json.loads(line)["turns"][0] for line in questions[:2]]
     target = load_model("default", "native", "float32")
+    assert auto_choice(target, DrafterOptions()) == "markov"  # the default drafter of the default model
     plain = load(loaded=target, drafter="none", calibrate=False)
     expected = [plain.generate(prompt, max_new_tokens=64, chat=True).token_ids for prompt in prompts]
     for kind in ("markov", "medusa"):

@@ -415,7 +415,7 @@ def test_worker_survives_an_unexpected_exception(model_dir: Path) -> None:
 
 def test_serve_cli_flags() -> None:
     args = build_parser().parse_args(["serve", "--port", "0", "--max-queue", "3", "--tree", "chain"])
-    assert (args.drafter, args.host, args.port, args.max_queue, args.tree) == ("lookup", "127.0.0.1", 0, 3, "chain")
+    assert (args.drafter, args.host, args.port, args.max_queue, args.tree) == ("auto", "127.0.0.1", 0, 3, "chain")
     assert args.func.__module__ == "causaldraft.serve.cli"
 
 

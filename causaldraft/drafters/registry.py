@@ -62,7 +62,34 @@ def build_eagle3(target: LoadedModel, options: DrafterOptions, dtype: str) -> Dr
     return load_eagle3_drafter(target, options)
 
 
+def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:
+    """What ``auto`` (the default drafter) runs: the kind of the trained drafter in ``--heads DIR``;
+    else the shipped Markov heads when they were trained for this model (the fastest drafter we
+    measured on the default model, int4 and bf16); else prompt lookup, which needs no training."""
+    from causaldraft.drafters.eagle3_model import CONFIG_FILE as EAGLE3_CONFIG
+    from causaldraft.drafters.heads import CONFIG_FILE, base_fingerprint, default_heads_dir, read_config
+
+    if options.heads is not None:
+        directory = Path(options.heads).expanduser()
+        if not directory.is_dir():
+            raise CausalDraftError(f"heads directory {directory} does not exist")
+        if (directory / EAGLE3_CONFIG).is_file():
+            return "eagle3"
+        if (directory / CONFIG_FILE).is_file():
+            return read_config(directory)[0].kind
+        raise CausalDraftError(f"no trained drafter in {directory}: neither {CONFIG_FILE} nor {EAGLE3_CONFIG}")
+    shipped = default_heads_dir("markov")
+    if (shipped / CONFIG_FILE).is_file() and read_config(shipped)[0].fingerprint == base_fingerprint(target.backend):
+        return "markov"
+    return "lookup"
+
+
+def build_auto(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
+    return DRAFTERS[auto_choice(target, options)](target, options, dtype)
+
+
 DRAFTERS: dict[str, Callable[[LoadedModel, DrafterOptions, str], Drafter]] = {
+    "auto": build_auto,
     "none": build_none,
     "lookup": build_lookup,
     "draft": build_draft,

@@ -25,6 +25,7 @@ from causaldraft.drafters.heads import (
 from causaldraft.drafters.registry import DrafterOptions, auto_choice
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.packed import DraftLinear, packed_available
 from causaldraft.models.quant import Int8Linear
 from causaldraft.tree import Tree
 
@@ -172,12 +173,15 @@ def test_shipped_default_heads_match_plain_decoding() -> None:
 
 
 def test_int8_drafting_agrees_with_bf16_drafting(tiny: LoadedModel, tmp_path: Path) -> None:
-    """Quantized targets draft with an int8 output projection: the same chains as bf16 drafting
-    but for near-ties (lossless either way: drafts only decide what gets verified)."""
+    """Drafting projects one or two rows in int8 (DraftLinear; without oneDNN, every row for
+    quantized targets): the same chains as bf16 drafting but for near-ties (lossless either way:
+    drafts only decide what gets verified)."""
     markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny.backend)
     bf16 = HeadsDrafter(markov, tiny.backend, lookup_merge=False)
+    out_weight = markov.out_weight.to(torch.bfloat16)
+    bf16.project = lambda x: x @ out_weight.t()
     int8 = HeadsDrafter(markov, tiny.backend, lookup_merge=False, int8=True)
-    assert isinstance(int8.project, Int8Linear)
+    assert isinstance(int8.project, DraftLinear if packed_available() else Int8Linear)
     same = 0
     for seed in range(20):
         hidden = torch.randn(tiny.backend.shape.hidden_size, generator=torch.Generator().manual_seed(seed))

@@ -30,8 +30,7 @@ from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import RMSNorm, apply_rope, attend
-from causaldraft.models.packed import MIN_ROWS_PER_CALL, PackedLinear, pack, packed_available
-from causaldraft.models.quant import INT8_IN_MULTIPLE, Int8Linear, quantize_int8
+from causaldraft.models.packed import DraftLinear, packed_available
 
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "eagle3.safetensors"
@@ -164,33 +163,6 @@ def new_layer(config: Eagle3Config, vocab_ids: torch.Tensor, lm_head: torch.Tens
 
 
 LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-
-# Calls of up to this many rows read int8 weights. A drafting call follows the target's pass, which
-# has evicted the layer from the caches, so a few-row product costs what reading its weight from
-# memory costs: measured (this CPU, 2 threads, cold cache) for the default model's shapes, int8
-# takes 0.09-0.43 ms per product at 1 row against 0.21-0.49 ms packed bf16 (a one-row level: 0.94
-# against 1.64 ms for the five products), ties at 4 rows and loses at 16 (int8's kernel is slower
-# per row).
-INT8_MAX_ROWS = 2
-
-
-class DraftLinear(nn.Module):
-    """A drafting product: int8 per output row for calls of at most INT8_MAX_ROWS rows, oneDNN's
-    packed bf16 above. Drafts need not be bit-exact (the verify pass decides the output), so the
-    two paths may round differently."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight  # the dense parameter, where others read it
-        self.packed = PackedLinear(pack(weight, MIN_ROWS_PER_CALL), (self.out_features, self.in_features), weight)
-        quantizable = self.in_features % INT8_IN_MULTIPLE == 0
-        self.int8 = Int8Linear(quantize_int8(weight.detach()), None) if quantizable else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and x.numel() <= INT8_MAX_ROWS * self.in_features:
-            return self.int8(x)
-        return self.packed(x)
 
 
 def pack_linears(layer: Eagle3Layer) -> bool:

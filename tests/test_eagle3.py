@@ -22,7 +22,6 @@ from causaldraft.drafters.eagle3_model import (
     CONFIG_FILE,
     LINEARS,
     WEIGHTS_FILE,
-    DraftLinear,
     Eagle3Layer,
     load_layer,
     new_layer,
@@ -35,6 +34,7 @@ from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
+from causaldraft.models.packed import INT8_MAX_ROWS, DraftLinear
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -319,8 +319,12 @@ def test_packed_layer_drafts_what_the_plain_layer_drafts(tiny: LoadedModel) -> N
             with torch.inference_mode():
                 out = layer.step(embeds, layer.fc(features), positions, mask, keys, values, slots)
                 outs.append(layer.logits(out).float())
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
-        assert torch.equal(outs[1].argmax(-1), outs[0].argmax(-1))
+        # int8 weights round each product to 1/254 of its row's largest weight; packed bf16 only reorders
+        tolerance = 6e-2 if rows <= INT8_MAX_ROWS else 2e-2
+        torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=tolerance)
+        top = outs[0].topk(2, dim=-1).values
+        clear = top[:, 0] - top[:, 1] > 2 * tolerance  # no near-tie: the same draft
+        assert torch.equal(outs[1].argmax(-1)[clear], outs[0].argmax(-1)[clear])
 
 
 def test_train_heads_cli_trains_eagle3_and_continues_from_init(

@@ -301,6 +301,12 @@ def default_heads_dir(kind: str) -> Path:
     return Path(__file__).resolve().parent.parent / "heads" / "default" / kind
 
 
+def shipped_heads_fit(kind: str, backend: Backend) -> bool:
+    """Whether heads of this kind ship with the package for the model ``backend`` runs."""
+    directory = default_heads_dir(kind)
+    return (directory / CONFIG_FILE).is_file() and read_config(directory)[0].fingerprint == base_fingerprint(backend)
+
+
 def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ignore[no-untyped-def]
     """The registry's constructor: options.heads, or the shipped heads when the target is the
     default model; otherwise a clear error."""
@@ -312,8 +318,7 @@ def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ign
             raise CausalDraftError(f"heads directory {directory} does not exist")
     else:
         directory = default_heads_dir(kind)
-        shipped = (directory / CONFIG_FILE).is_file()
-        if not shipped or read_config(directory)[0].fingerprint != base_fingerprint(target.backend):
+        if not shipped_heads_fit(kind, target.backend):
             raise CausalDraftError(
                 f"no trained {kind} heads for this model; pass --heads DIR (see causaldraft train-heads) "
                 "or use --drafter lookup"

@@ -67,7 +67,7 @@ def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:
     else the shipped Markov heads when they were trained for this model (the fastest drafter we
     measured on the default model, int4 and bf16); else prompt lookup, which needs no training."""
     from causaldraft.drafters.eagle3_model import CONFIG_FILE as EAGLE3_CONFIG
-    from causaldraft.drafters.heads import CONFIG_FILE, base_fingerprint, default_heads_dir, read_config
+    from causaldraft.drafters.heads import CONFIG_FILE, read_config, shipped_heads_fit
 
     if options.heads is not None:
         directory = Path(options.heads).expanduser()
@@ -78,10 +78,7 @@ def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:
         if (directory / CONFIG_FILE).is_file():
             return read_config(directory)[0].kind
         raise CausalDraftError(f"no trained drafter in {directory}: neither {CONFIG_FILE} nor {EAGLE3_CONFIG}")
-    shipped = default_heads_dir("markov")
-    if (shipped / CONFIG_FILE).is_file() and read_config(shipped)[0].fingerprint == base_fingerprint(target.backend):
-        return "markov"
-    return "lookup"
+    return "markov" if shipped_heads_fit("markov", target.backend) else "lookup"
 
 
 def build_auto(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:

@@ -175,11 +175,13 @@ def attend_blocked(
     base = (torch.arange(sequences * kv_heads) * capacity).view(sequences, kv_heads, 1, 1)
     flat = (base + layout.tail_slots.view(sequences, 1, n, KEY_BLOCK)).reshape(-1)
     tail_values = values.reshape(-1, hd).index_select(0, flat).view(sequences, kv_heads, n, KEY_BLOCK, hd)
-    tail_weights = (tail_exp / total).transpose(2, 3).to(values.dtype)  # [S, kvh, n, g, B]
-    tail_out = torch.matmul(at_least_two_rows(tail_weights), tail_values)[:, :, :, :group].transpose(2, 3)
+    tail_weights = (tail_exp / total).transpose(2, 3)  # [S, kvh, n, g, B] fp32
+    # one [g, B] x [B, hd] product per row, in fp32: every call has the same matrix shape whatever
+    # n (only the batch count grows), and fp32's small products cost a third of bf16's per call
+    tail_out = torch.matmul(at_least_two_rows(tail_weights), tail_values.float())[:, :, :, :group].transpose(2, 3)
     head_weights = (head_exp / total).to(values.dtype).reshape(sequences, kv_heads, group * n, head)
     head_out = torch.matmul(at_least_two_rows(head_weights), values[:, :, :head].contiguous())[:, :, : group * n]
-    out = tail_out.float() + head_out.view(sequences, kv_heads, group, n, hd).float()  # [S, kvh, g, n, hd]
+    out = tail_out + head_out.view(sequences, kv_heads, group, n, hd).float()  # [S, kvh, g, n, hd]
     return out.to(q.dtype).reshape(sequences, heads, n, hd)
 
 

@@ -116,6 +116,38 @@ def test_greedy_identity_with_fallback_and_cost_model(tiny: LoadedModel, tmp_pat
         assert engine.generate(prompt, max_new_tokens=48).token_ids == tokens
 
 
+def test_sampled_data_draws_from_the_targets_distribution(tiny: LoadedModel, tmp_path: Path) -> None:
+    """--data-temperature: response tokens are samples of the target's distribution at that
+    temperature (chi-square over many keys), the same tokens whenever the data are generated, and
+    other than the greedy ones."""
+    logprobs = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0]), dim=-1)
+    config = FeatureGenConfig(seed=5, temperature=0.8)
+    draws = 6000
+    tokens = config.choose(logprobs.expand(draws, -1), [(index, 7 + index % 3) for index in range(draws)])
+    expected = torch.softmax(logprobs / 0.8, dim=-1)
+    counts = Counter(tokens)
+    assert counts[5] == 0 and FeatureGenConfig().choose(logprobs[None], [(0, 0)]) == [0]
+    observed = [counts[token] for token in range(5)]
+    assert chisquare(observed, (expected[:5] / expected[:5].sum() * draws).tolist()).pvalue > 1e-3
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([*PROMPTS, "one two three", "the mat"]))
+    assert isinstance(tiny.backend, NativeLlama)
+    runs = []
+    for name in ("data", "again"):
+        config = FeatureGenConfig(tokens=10_000, max_new_tokens=24, batch_size=3, refill=1, top_k=4,
+                                  sequences_per_shard=2, threads=1, seed=5, temperature=1.0)  # fmt: skip
+        generate_features(tiny.backend, tiny.tokenizer, [prompts], tmp_path / name, AUX, config, tiny.fingerprint)
+        runs.append(load_sequences(tmp_path / name))
+    assert [seq.tokens.tolist() for seq in runs[0]] == [seq.tokens.tolist() for seq in runs[1]]
+    off_greedy = sum(
+        int((seq.tokens[seq.prompt_length :] != seq.topk_ids[:, 0]).sum()) for seq in runs[0]
+    )  # fmt: skip
+    assert off_greedy > 0
+    with pytest.raises(CausalDraftError, match="holds feature data made differently"):
+        greedy = FeatureGenConfig(tokens=10_000, max_new_tokens=24, top_k=4, seed=5)
+        generate_features(tiny.backend, tiny.tokenizer, [prompts], tmp_path / "data", AUX, greedy, tiny.fingerprint)
+
+
 def test_batched_generation_equals_plain_decoding_and_its_features(tiny: LoadedModel, generated: Path) -> None:
     sequences = load_sequences(generated)
     engine = load(loaded=tiny, drafter="none", calibrate=False)

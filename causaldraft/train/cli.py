@@ -40,6 +40,12 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         default=generation.seed,
         help="order of the prompts answered (another seed draws other prompts for more data)",
     )
+    parser.add_argument(
+        "--data-temperature",
+        type=float,
+        default=0.0,
+        help="eagle3: answer the prompts sampled at this temperature (0: greedily), seeded by --data-seed",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=generation.max_new_tokens)
     parser.add_argument("--gen-batch-size", type=int, default=generation.batch_size)
     parser.add_argument("--threads", type=int, default=generation.threads, help="torch threads for data passes")
@@ -63,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         return run_eagle3(args)
     if args.init is not None:
         raise CausalDraftError("--init applies to --heads eagle3 only")
+    if args.data_temperature != 0.0:
+        raise CausalDraftError("--data-temperature applies to --heads eagle3 only")
     generation = GenerationConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
                                   batch_size=args.gen_batch_size, threads=args.threads,
                                   seed=args.data_seed)  # fmt: skip
@@ -84,7 +92,8 @@ def run_eagle3(args: argparse.Namespace) -> int:
     batch = args.gen_batch_size if args.gen_batch_size != GenerationConfig().batch_size else None
     generation = FeatureGenConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
                                   batch_size=batch or FeatureGenConfig().batch_size,
-                                  threads=max(args.threads, 2), seed=args.data_seed)  # fmt: skip
+                                  threads=max(args.threads, 2), seed=args.data_seed,
+                                  temperature=args.data_temperature)  # fmt: skip
     lr = args.lr if args.lr != TrainConfig().lr else defaults.lr
     training = Eagle3TrainConfig(epochs=args.epochs, rows_per_batch=args.rows_per_batch, steps=args.ttt_steps,
                                  context=args.context, lr=lr, seed=args.seed)  # fmt: skip

@@ -84,6 +84,11 @@ def eagle3_config(loaded: LoadedModel, draft_vocab: int, aux_layers: tuple[int, 
     )  # fmt: skip
 
 
+def temperature_suffix(temperature: float) -> str:
+    """The data folder's name part for sampled responses ('' for greedy ones)."""
+    return "" if temperature == 0 else f"-t{temperature:g}"
+
+
 def init_tag(init: Path | None) -> str:
     """A checkpoint-name part naming the starting layer by its weights' digest ('' from scratch)."""
     if init is None:
@@ -100,8 +105,8 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     shape = backend.shape
     aux_layers = default_aux_layers(shape.num_layers)
-    order = order_suffix(recipe.generation.seed)
-    data_dir = work / f"eagle3-data{order}"  # one folder per prompt order
+    order = order_suffix(recipe.generation.seed) + temperature_suffix(recipe.generation.temperature)
+    data_dir = work / f"eagle3-data{order}"  # one folder per prompt order and response temperature
     started = time.perf_counter()
     tokens, generation_seconds = generate_features(
         backend, loaded.tokenizer, recipe.prompts, data_dir, aux_layers, recipe.generation,

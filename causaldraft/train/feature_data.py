@@ -1,6 +1,7 @@
 """Self-distillation data with target features, generated in one batched pass.
 
-The target answers the training prompts greedily (its own chat template) in a batch of ``batch_size``
+The target answers the training prompts (its own chat template; greedily, or sampled at ``temperature``,
+seeded per prompt so a resumed run draws the same tokens) in a batch of ``batch_size``
 rows, each row its own sequence: when a row finishes (EOS or ``max_new_tokens``) the next prompt is
 prefilled into it (a few at a time), so the batch stays full. While generating, every fed token's
 auxiliary features (the inputs of the ``aux_layers``, concatenated) and every response token's
@@ -22,6 +23,7 @@ those prompts and stops once ``tokens`` response tokens exist (resumable after a
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from tqdm import tqdm
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import BatchCache, batched_forward
 from causaldraft.models.native import NativeLlama
+from causaldraft.sampling import mix_seed
 from causaldraft.train.data import encode_prompts, mix_prompts, shard_paths
 
 META_FILE = "meta.json"
@@ -49,11 +52,26 @@ class FeatureGenConfig:
     sequences_per_shard: int = 96
     seed: int = 0
     threads: int = 2
+    temperature: float = 0.0  # 0: greedy responses; > 0: sampled (other contexts than greedy decoding's)
 
     def __post_init__(self) -> None:
         sizes = (self.tokens, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.top_k)
         if min(sizes) < 1 or not 1 <= self.refill <= self.batch_size or self.sequences_per_shard < 1:
             raise CausalDraftError("feature generation sizes must be >= 1 (and refill <= batch size)")
+        if not 0.0 <= self.temperature <= 10.0:
+            raise CausalDraftError(f"the data temperature must be in [0, 10], got {self.temperature}")
+
+    def choose(self, logprobs: torch.Tensor, keys: list[tuple[int, int]]) -> list[int]:
+        """Response tokens from the target's log-probs [m, vocab], one per (prompt index, position):
+        the argmax, or a sample at ``temperature`` (the inverse of the distribution's CDF at a uniform
+        keyed by the data seed, the prompt and the position: the same tokens whenever it runs)."""
+        if self.temperature == 0.0:
+            return logprobs.argmax(-1).tolist()
+        cdf = torch.softmax(logprobs.double() / self.temperature, dim=-1).cumsum(-1)  # [m, vocab]
+        uniforms = [random.Random(mix_seed(mix_seed(self.seed, index), position)).random() for index, position in keys]
+        points = torch.tensor(uniforms, dtype=torch.float64)[:, None] * cdf[:, -1:]  # [m, 1]
+        ids = torch.searchsorted(cdf, points, right=True)[:, 0].clamp(max=cdf.shape[1] - 1)
+        return ids.tolist()
 
 
 @dataclass
@@ -133,11 +151,24 @@ def done_prompts(directory: Path) -> tuple[set[int], int, float]:
     return done, tokens, seconds
 
 
-def top_candidates(model: NativeLlama, hidden: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [m, h] -> top-k ids and log-probs [m, k] of the target's next-token distribution."""
+def top_candidates(
+    model: NativeLlama, hidden: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [m, h] -> top-k ids and log-probs [m, k] of the target's next-token distribution, and
+    the whole distribution's log-probs [m, vocab]."""
     logprobs = torch.log_softmax(model.lm_head(hidden).float(), dim=-1)  # [m, vocab]
     top = torch.topk(logprobs, top_k, dim=-1)
-    return top.indices, top.values
+    return top.indices, top.values, logprobs
+
+
+def data_meta(fingerprint: str, aux_layers: tuple[int, ...], config: FeatureGenConfig) -> dict[str, object]:
+    """What a data folder's sequences depend on (the temperature only when sampled, so greedy
+    folders made before it existed still resume)."""
+    meta: dict[str, object] = {"fingerprint": fingerprint, "aux_layers": list(aux_layers), "top_k": config.top_k,
+                               "max_new_tokens": config.max_new_tokens, "seed": config.seed}  # fmt: skip
+    if config.temperature > 0:
+        meta["temperature"] = config.temperature
+    return meta
 
 
 def generate_features(
@@ -150,9 +181,7 @@ def generate_features(
     fingerprint: str,
 ) -> tuple[int, float]:
     """Generate (or resume) until ``config.tokens`` response tokens exist; returns (tokens, seconds)."""
-    meta = {"fingerprint": fingerprint, "aux_layers": list(aux_layers), "top_k": config.top_k,
-            "max_new_tokens": config.max_new_tokens, "seed": config.seed}  # fmt: skip
-    check_meta(directory, meta)
+    check_meta(directory, data_meta(fingerprint, aux_layers, config))
     done, total, seconds = done_prompts(directory)
     if total >= config.tokens:
         return total, seconds
@@ -171,7 +200,7 @@ def generate_features(
             if queue and (len(free) >= config.refill or len(free) == batch):
                 began = time.perf_counter()
                 taken, queue = queue[: len(free)], queue[len(free) :]
-                prefill_rows(model, cache, rows, free[: len(taken)], taken, prompts, config.top_k, aux_layers)
+                prefill_rows(model, cache, rows, free[: len(taken)], taken, prompts, config, aux_layers)
                 writer.seconds += time.perf_counter() - began
             if all(row is None for row in rows):
                 break
@@ -194,7 +223,7 @@ def prefill_rows(
     slots: list[int],
     prompt_indices: list[int],
     prompts: list[list[int]],
-    top_k: int,
+    config: FeatureGenConfig,
     aux_layers: tuple[int, ...],
 ) -> None:
     """Prefill prompts (right-padded together) into free batch rows; pick each first response token."""
@@ -209,10 +238,11 @@ def prefill_rows(
     cache.copy_rows(small, torch.tensor(slots), width)
     lengths = torch.tensor([len(prompts[index]) for index in prompt_indices])
     last = hidden[torch.arange(len(prompt_indices)), lengths - 1]  # [r, h]
-    ids, logprobs = top_candidates(model, last, top_k)
+    ids, logprobs, full = top_candidates(model, last, config.top_k)
+    chosen = config.choose(full, [(index, len(prompts[index])) for index in prompt_indices])
     for row, (slot, index) in enumerate(zip(slots, prompt_indices, strict=True)):
         length = len(prompts[index])
-        state = Row(index, [*prompts[index], int(ids[row, 0])], length)
+        state = Row(index, [*prompts[index], chosen[row]], length)
         state.features.append(features[row, :length].clone())
         state.topk_ids.append(ids[row].clone())
         state.topk_logprobs.append(logprobs[row].clone())
@@ -244,12 +274,14 @@ def decode_step(
         positions[slot, 0] = len(row.tokens) - 1
     hidden, features = batched_forward(model, tokens, positions, cache, aux_layers)
     assert features is not None
-    ids, logprobs = top_candidates(model, hidden[:, 0], config.top_k)
-    for slot, row in live:
+    ids, logprobs, full = top_candidates(model, hidden[:, 0], config.top_k)
+    slots = [slot for slot, _ in live]
+    chosen = config.choose(full[slots], [(row.prompt_index, len(row.tokens)) for _, row in live])
+    for (slot, row), token in zip(live, chosen, strict=True):
         row.features.append(features[slot, :1].clone())
         row.topk_ids.append(ids[slot].clone())
         row.topk_logprobs.append(logprobs[slot].clone())
-        row.tokens.append(int(ids[slot, 0]))
+        row.tokens.append(token)
         if row.tokens[-1] == eos or row.response_length >= config.max_new_tokens:
             finished.append(row)
             rows[slot] = None

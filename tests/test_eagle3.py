@@ -191,28 +191,40 @@ def test_drafting_computes_exactly_what_training_unrolls(tiny: LoadedModel, gene
             assert prob == pytest.approx(float(expected.max()), abs=1e-4), depth
 
 
-def test_a_declined_first_level_leaves_the_prefix_rows_queued(tiny: LoadedModel, generated: Path) -> None:
-    """A step whose gate declines drafting costs the layer nothing: the prefix rows stay queued, and the
-    next tree (which runs them) is the tree a drafter that had caught up at once would draft."""
+def test_queued_rows_run_before_the_gate_is_asked(tiny: LoadedModel, generated: Path) -> None:
+    """The prompt's rows run at start (prefill), a step's rows before the gate's first question, so
+    the gate's level times are drafting alone (a catch-up once counted as the first level's cost
+    starved eagle3 of trees); a declined step leaves nothing queued, and the next tree is the tree
+    of a drafter that never declined."""
     layer = random_layer(tiny)
     seq = max(load_sequences(generated), key=lambda s: s.response_length)
     tokens = seq.tokens.tolist()
     root_row = seq.prompt_length + 2
+    prompt = tuple(tokens[: seq.prompt_length])
     context_tokens = tuple(tokens[: root_row + 2])
+    asked: list[tuple[int, int]] = []  # (committed, pending) at each gate question
+
+    def declining(drafter: Eagle3Drafter) -> object:
+        def gate(scores: object, frontier: object, level: int) -> bool:
+            asked.append((drafter.committed, len(drafter.pending_tokens)))
+            return False
+
+        return gate
 
     def context(gate: object) -> DraftContext:
         return DraftContext(context_tokens, None, "dynamic", 3, 2, 8, SamplingConfig(), None, gate=gate)  # type: ignore[arg-type]
 
-    lazy, eager = (Eagle3Drafter(layer, tiny.backend, lookup_merge=False) for _ in range(2))
-    for drafter in (lazy, eager):
-        drafter.start(context_tokens, seq.features[: root_row + 1].float())
-    declined = lazy.propose(context(lambda scores, frontier, level: False))
-    assert declined.tree.size == 1 and lazy.committed == 0 and len(lazy.pending_tokens) == root_row + 1
-    with torch.no_grad():
-        eager.catch_up()
-    drafted = lazy.propose(context(None))
-    assert lazy.committed == root_row + 1 and not lazy.pending_tokens and drafted.tree.size > 1
-    assert drafted.tree == eager.propose(context(None)).tree
+    drafters = [Eagle3Drafter(layer, tiny.backend, lookup_merge=False) for _ in range(2)]
+    for drafter in drafters:
+        drafter.start(prompt, seq.features[: len(prompt) - 1].float())
+        assert drafter.committed == len(prompt) - 1 and not drafter.pending_tokens
+        drafter.queue(context_tokens[len(prompt) :], seq.features[len(prompt) - 1 : root_row + 1].float())
+    declining_drafter, drafting = drafters
+    declined = declining_drafter.propose(context(declining(declining_drafter)))
+    assert declined.tree.size == 1 and asked == [(root_row + 1, 0)]
+    drafted = declining_drafter.propose(context(None))
+    assert declining_drafter.committed == root_row + 1 and drafted.tree.size > 1
+    assert drafted.tree == drafting.propose(context(None)).tree
 
 
 def test_trained_layer_beats_random_and_accepts_more(tiny: LoadedModel, generated: Path, tmp_path: Path) -> None:

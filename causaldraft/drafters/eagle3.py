@@ -2,10 +2,14 @@
 
 Draft cache (one layer, rows = rope positions): rows 0 .. T-1 mirror the target's committed prefix
 (row p: token x_{p+1}, hidden fc(a_p) from the target's features). Features arrive after each
-step for the accepted path (root and accepted nodes) and at prefill for the prompt; they wait in
-``pending`` until a tree's first expansion runs them through the layer in one pass, so steps that
-do not draft (the cost model's gate declined the first level, or a fallback) cost nothing here.
-The last prefix row (token = the root) predicts the root's children.
+step for the accepted path (root and accepted nodes) and at prefill for the prompt. The prompt's
+rows run at once (part of the prefill); a step's rows wait in ``pending`` and run in one pass when
+the next tree is proposed, before the cost model's gate is asked about its first level: the gate's
+level times are drafting alone. (They once included the catch-up: a second turn's prompt, 20-40 ms
+of rows, counted as the first level's cost, and the gate then declined eagle3's trees for whole
+prompts; on 16 MT-bench questions eagle3 verified the root alone in 866 of 3245 steps.) During a
+fallback stretch rows are run every ``CATCH_UP_ROWS``. The last prefix row (token = the root)
+predicts the root's children.
 
 Drafting a tree: the nodes of depth d >= 1 are one pass of the layer, each node a row at position
 T - 1 + d with its own token and its parent row's output as hidden, attending to the prefix and
@@ -73,6 +77,8 @@ class Eagle3Drafter:
         self.pending_tokens, self.pending_features = [], []
         if features is not None:
             self.queue(prompt[1:], features)
+            with torch.inference_mode():
+                self.catch_up()
         if self.lookup is not None:
             self.lookup.start(prompt)
 
@@ -113,14 +119,14 @@ class Eagle3Drafter:
         self.pending_tokens, self.pending_features = [], []
 
     def propose(self, context: DraftContext) -> Draft:
-        """The tree; the queued prefix rows run at its first expansion (``expander``), so a step whose
-        gate declines the first level leaves them queued for a later step, at no cost now."""
+        """The tree; the queued prefix rows run first, before the gate is asked about any level."""
         rows = self.committed + len(self.pending_tokens)
         if rows != len(context.tokens) - 1 or (self.root_out is None and not self.pending_tokens):
             return Draft.root_only(context.tokens[-1])
         paths = self.lookup.paths(context) if self.lookup is not None else []
         budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
+            self.catch_up()
             expand = self.expander(context)
             merged = self.lookup.scores(paths) if self.lookup is not None else []
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
@@ -141,8 +147,8 @@ class Eagle3Drafter:
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             nonlocal written
-            if 0 not in outputs:  # the first expansion: run the queued prefix rows; the last one is the root's
-                self.catch_up()
+            if 0 not in outputs:  # the first expansion: the last prefix row is the root's
+                self.catch_up()  # nothing queued when called from ``propose``
                 assert self.root_out is not None
                 outputs[0], slots[0], written = self.root_out, self.committed - 1, self.committed
             fresh = [node for node in nodes if node not in outputs]

@@ -5,9 +5,7 @@ Draft cache (one layer, rows = rope positions): rows 0 .. T-1 mirror the target'
 step for the accepted path (root and accepted nodes) and at prefill for the prompt. The prompt's
 rows run at once (part of the prefill); a step's rows wait in ``pending`` and run in one pass when
 the next tree is proposed, before the cost model's gate is asked about its first level: the gate's
-level times are drafting alone. (They once included the catch-up: a second turn's prompt, 20-40 ms
-of rows, counted as the first level's cost, and the gate then declined eagle3's trees for whole
-prompts; on 16 MT-bench questions eagle3 verified the root alone in 866 of 3245 steps.) During a
+level times are drafting alone (docs/eagle3.md: what went wrong when they were not). During a
 fallback stretch rows are run every ``CATCH_UP_ROWS``. The last prefix row (token = the root)
 predicts the root's children.
 
@@ -147,9 +145,8 @@ class Eagle3Drafter:
 
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             nonlocal written
-            if 0 not in outputs:  # the first expansion: the last prefix row is the root's
-                self.catch_up()  # nothing queued when called from ``propose``
-                assert self.root_out is not None
+            if 0 not in outputs:  # the first expansion: the last prefix row (run by ``catch_up``) is the root's
+                assert self.root_out is not None and not self.pending_tokens
                 outputs[0], slots[0], written = self.root_out, self.committed - 1, self.committed
             fresh = [node for node in nodes if node not in outputs]
             depths = tree.depths

@@ -158,6 +158,7 @@ class AdaptState:
     probe_steps: int = 0
     depth_hits: list[float] = field(default_factory=list)
     level_seconds: list[float] = field(default_factory=list)  # drafting one tree level, by level
+    level_age: list[int] = field(default_factory=list)  # gated steps since each level was last timed
     declined: int = 0  # consecutive sized steps that verified the root alone (drafted nothing worth it)
     timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
 
@@ -200,7 +201,11 @@ class DepthGate:
     at CHILD_SHARES of their parents' scores, plus the level's measured cost) beats the best rate of
     what is drafted now; time already spent counts for both. It keeps the time of each call, so the
     policy learns what each level costs. After ``reprobe_every`` steps that verified the root alone
-    it drafts a first level anyway (and ``prune`` keeps a draft node), to keep the estimates current.
+    it drafts a first level anyway (and ``prune`` keeps a draft node), and a deeper level whose time
+    is ``reprobe_every`` gated steps old is drafted once, to keep the estimates current: a level
+    declined for its cost is otherwise never timed again, so one slow first measurement (seen: a
+    second eagle3 level at 6.6 ms, ~1 ms in truth, while oneDNN built its kernels) kept trees one
+    level deep for a whole run.
 
     Example (verify 25 ms for 1..8 nodes, a level 2 ms, calibration 1, no time spent yet): with
     drafted scores [0.9, 0.3], the best is 3 nodes, (1 + 1.2) / 25 ms = 0.088 tokens/ms; the frontier
@@ -230,7 +235,8 @@ class DepthGate:
         deeper = sorted([*drafted, *guesses], reverse=True)
         deeper_rate = best_budget(deeper, self.state, self.cost, self.max_nodes, spent + self.level_cost(level))[1]
         probe = level == 0 and (self.always_first or self.state.declined >= self.reprobe_every)
-        if deeper_rate > rate or probe:
+        stale = 0 < level < len(self.state.level_age) and self.state.level_age[level] >= self.reprobe_every
+        if deeper_rate > rate or probe or stale:
             self.allowed = level + 1
             return True
         return False
@@ -349,13 +355,21 @@ class BudgetPolicy:
                           draft_seconds, nodes)  # fmt: skip
 
     def observe_levels(self, gate: DepthGate, draft_seconds: float) -> None:
-        """Fold the gated step's level times in."""
-        known = self.state.level_seconds
-        for level, seconds in enumerate(gate.level_times(draft_seconds)):
+        """Fold the gated step's level times in. A level timed after ``reprobe_every`` steps without
+        a time takes the new time as it is: its old one may be an outlier that kept it undrafted."""
+        known, age = self.state.level_seconds, self.state.level_age
+        age.extend([0] * (len(known) - len(age)))
+        times = gate.level_times(draft_seconds)
+        for level, seconds in enumerate(times):
             if level < len(known):
-                known[level] = ema(known[level], seconds, LEVEL_KEEP)
+                stale = age[level] >= self.decode.reprobe_every
+                known[level] = seconds if stale else ema(known[level], seconds, LEVEL_KEEP)
+                age[level] = 0
             else:
                 known.append(seconds)
+                age.append(0)
+        for level in range(len(times), len(age)):
+            age[level] += 1
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,39 @@ def test_the_sized_policy_gates_prunes_learns_level_costs_and_reprobes() -> None
     assert untimed.prune(draft) is draft  # reproducible runs never size drafts from the clock
 
 
+def test_a_level_declined_for_an_old_slow_time_is_timed_again() -> None:
+    """One slow measurement of the second level (a kernel built at its first call) made the gate
+    decline it for good, since a declined level is never timed. After reprobe_every gated steps
+    without a time it is drafted once and its new time replaces the old one."""
+    tree, decode = TreeConfig(kind="chain", depth=4, width=1, max_nodes=32), DecodeConfig()
+    cost = VerifyCost({1: 0.020, 2: 0.020, 4: 0.021, 8: 0.040})
+    policy = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree))
+    policy.state.level_seconds, policy.state.level_age = [0.001, 0.050], [0, 0]
+
+    def step(second_level_seconds: float) -> bool:
+        """One step whose first level is drafted; whether the gate allowed the second."""
+        limits = policy.limits()
+        assert limits is not None and limits.gate is not None
+        gate = limits.gate
+        assert gate([], [1.0], 0)
+        allowed = gate([0.6], [0.6], 1)
+        gate.stamps[0] = gate.started  # the first level took 1 ms, the second (when drafted) as given
+        gate.stamps[1] = gate.started + 0.001
+        drafted = chain_draft([0.6, 0.3] if allowed else [0.6])
+        policy.observe(drafted, accepted=1, draft_seconds=0.001 + (second_level_seconds if allowed else 0.0),
+                       verify_seconds=0.020)  # fmt: skip
+        return allowed
+
+    declined = 0
+    while not step(0.0012):
+        declined += 1
+        assert declined <= decode.reprobe_every
+    assert declined == decode.reprobe_every
+    assert policy.state.level_seconds[1] == pytest.approx(0.0012)  # replaced, not averaged with 50 ms
+    assert policy.state.level_age == [0, 0]
+    assert step(0.0012)  # now it pays: drafted on its merits
+
+
 def test_kept_calibrations_that_fall_with_more_rows_are_not_trusted() -> None:
     from causaldraft.adapt import plausible_calibration
 

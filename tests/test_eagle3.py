@@ -4,6 +4,7 @@ feature generation == plain decoding, the sampling law, and loading errors."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -35,6 +36,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.models.packed import INT8_MAX_ROWS, DraftLinear
+from causaldraft.train.calibration import SAMPLING_SCALES, SCORE_TEMPERATURES
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -69,8 +71,12 @@ def random_layer(tiny: LoadedModel, seed: int = 0, draft_vocab: int = 200) -> Ea
     return layer.eval()
 
 
-def layer_dir(tiny: LoadedModel, directory: Path, seed: int = 0) -> Path:
-    save_layer(random_layer(tiny, seed), directory)
+def layer_dir(tiny: LoadedModel, directory: Path, seed: int = 0, calibrated: bool = False) -> Path:
+    """A random layer saved to ``directory``; ``calibrated``: with temperatures other than 1."""
+    layer = random_layer(tiny, seed)
+    if calibrated:
+        layer.config = dataclasses.replace(layer.config, score_temperature=0.6, sampling_temperature_scale=0.5)
+    save_layer(layer, directory)
     return directory
 
 
@@ -107,9 +113,11 @@ def test_greedy_output_is_token_identical_to_plain(
         assert max(step.nodes for step in result.stats.steps) > 2  # it really drafted trees
 
 
-def test_greedy_identity_with_fallback_and_cost_model(tiny: LoadedModel, tmp_path: Path) -> None:
-    """Fallback steps skip drafting; the features of those steps must still reach the draft cache."""
-    directory = layer_dir(tiny, tmp_path / "eagle3")
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_greedy_identity_with_fallback_and_cost_model(tiny: LoadedModel, tmp_path: Path, calibrated: bool) -> None:
+    """Fallback steps skip drafting; the features of those steps must still reach the draft cache.
+    Calibrated temperatures change the scores the tree and the cost model see, not the output."""
+    directory = layer_dir(tiny, tmp_path / "eagle3", calibrated=calibrated)
     expected = plain(tiny, PROMPTS, 48)
     engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), calibrate=True)
     for prompt, tokens in zip(PROMPTS, expected, strict=True):
@@ -165,11 +173,16 @@ def test_batched_generation_equals_plain_decoding_and_its_features(tiny: LoadedM
         assert torch.equal(seq.topk_ids[:, 0], seq.tokens[seq.prompt_length :])  # greedy = top-1
 
 
-def test_drafting_computes_exactly_what_training_unrolls(tiny: LoadedModel, generated: Path) -> None:
+@pytest.mark.parametrize("score_temperature", [1.0, 0.6])
+def test_drafting_computes_exactly_what_training_unrolls(
+    tiny: LoadedModel, generated: Path, score_temperature: float
+) -> None:
     """A chain drafted along the true continuation proposes, at depth j, what TTT step j computes
     at the root's row: training and drafting feed the layer the same tokens, hidden states,
-    positions and keys (the Markov heads once differed here without a test noticing)."""
+    positions and keys (the Markov heads once differed here without a test noticing). The child's
+    score is the layer's probability at its calibrated score temperature."""
     layer = random_layer(tiny)
+    layer.config = dataclasses.replace(layer.config, score_temperature=score_temperature)
     seq = max(load_sequences(generated), key=lambda s: s.response_length)
     steps = 4
     batch = make_batch([seq], steps, context=1000, to_draft=draft_index(layer.vocab_ids, 259))
@@ -186,7 +199,7 @@ def test_drafting_computes_exactly_what_training_unrolls(tiny: LoadedModel, gene
         tree = Tree.chain(tokens[root_row + 1 : root_row + 1 + steps])
         for depth in range(steps):
             [[(token, prob)]] = expand(tree, [depth])
-            expected = torch.softmax(layer.logits(trained[depth][0, root_row]), dim=-1)
+            expected = torch.softmax(layer.logits(trained[depth][0, root_row]) / score_temperature, dim=-1)
             assert token == int(layer.vocab_ids[int(expected.argmax())]), depth
             assert prob == pytest.approx(float(expected.max()), abs=1e-4), depth
 
@@ -289,6 +302,16 @@ def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
     (directory / WEIGHTS_FILE).unlink()
     with pytest.raises(CausalDraftError, match="missing"):
         load_layer(directory, fingerprint, 259, 64)
+    calibrated = layer_dir(tiny, tmp_path / "calibrated", calibrated=True)
+    assert read_config(calibrated)[0].sampling_temperature_scale == 0.5
+    record = json.loads((calibrated / CONFIG_FILE).read_text())
+    for name in ("score_temperature", "sampling_temperature_scale"):
+        del record[name]  # a config written before calibration: the plain distribution
+    (calibrated / CONFIG_FILE).write_text(json.dumps(record))
+    assert read_config(calibrated)[0].score_temperature == 1.0
+    (calibrated / CONFIG_FILE).write_text(json.dumps({**record, "score_temperature": 0.0}))
+    with pytest.raises(CausalDraftError, match="temperatures must be positive"):
+        load_layer(calibrated, fingerprint, 259, 64)
     record = json.loads((directory / CONFIG_FILE).read_text())
     del record["draft_vocab"]
     (directory / CONFIG_FILE).write_text(json.dumps(record))
@@ -327,9 +350,11 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(
     assert store.builds == graphs
 
 
-def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_path: Path) -> None:
-    """Drafts ranked with the target's own noise: the tokens are plain seeded sampling's."""
-    directory = layer_dir(tiny, tmp_path / "eagle3")
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_path: Path, calibrated: bool) -> None:
+    """Drafts ranked with the target's own noise: the tokens are plain seeded sampling's, whatever
+    temperature scale the drafter ranks at."""
+    directory = layer_dir(tiny, tmp_path / "eagle3", calibrated=calibrated)
     plain_engine = load(loaded=tiny, drafter="none", calibrate=False)
     for seed in (4, 5):
         expected = plain_engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.0, seed=seed).token_ids
@@ -386,6 +411,10 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     assert main([*common, "--epochs", "2", "--out", str(tmp_path / "first")]) == 0
     first, first_record = read_config(tmp_path / "first")
     assert first.aux_layers == default_aux_layers(tiny_llama_config_layers(tiny_llama_dir))
+    calibration = first_record["training"]["calibration"]  # type: ignore[index]
+    assert calibration["rows"] > 0 and len(calibration["sampling_agreement"]) == len(SAMPLING_SCALES)
+    assert first.score_temperature == calibration["score_temperature"] in SCORE_TEMPERATURES
+    assert first.sampling_temperature_scale == calibration["sampling_temperature_scale"] in SAMPLING_SCALES
     second_run = ["--epochs", "1", "--data-seed", "1", "--init", str(tmp_path / "first"),
                   "--out", str(tmp_path / "second")]  # fmt: skip
     assert main([*common, *second_run]) == 0

@@ -172,7 +172,9 @@ class Eagle3Drafter:
             states = torch.stack([outputs[node] for node in nodes])  # [m, h]
             logits = self.project(layer.norm(states)).float()  # [m, V']
             children_at = [root_position + depths[node] + 1 for node in nodes]
-            return rank_children(logits, layer.vocab_ids, layer.config.vocab_size, count, context, children_at)
+            c = layer.config
+            return rank_children(logits, layer.vocab_ids, c.vocab_size, count, context, children_at,
+                                 c.score_temperature, c.sampling_temperature_scale)  # fmt: skip
 
         return expand
 

@@ -35,6 +35,7 @@ from causaldraft.models.packed import DraftLinear, packed_available
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "eagle3.safetensors"
 FORMAT_VERSION = 1
+CALIBRATION_FIELDS = ("score_temperature", "sampling_temperature_scale")  # optional in a config
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,16 @@ class Eagle3Config:
     rope_theta: float
     max_positions: int
     fingerprint: str  # base_fingerprint of the target
+    # calibration (train/calibration.py; 1.0 in configs written before it): node scores are
+    # softmax(logits / score_temperature); Gumbel sampling ranks at T * sampling_temperature_scale
+    score_temperature: float = 1.0
+    sampling_temperature_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_vocab <= self.vocab_size or self.num_heads % self.kv_heads:
             raise CausalDraftError(f"invalid eagle3 sizes: {self}")
+        if not (self.score_temperature > 0 and self.sampling_temperature_scale > 0):
+            raise CausalDraftError(f"eagle3 calibration temperatures must be positive: {self}")
         if not self.aux_layers or any(not 0 <= layer <= self.target_layers for layer in self.aux_layers):
             raise CausalDraftError(f"eagle3 aux layers {self.aux_layers} outside [0, {self.target_layers}]")
 
@@ -196,7 +203,8 @@ def read_config(directory: Path) -> tuple[Eagle3Config, dict[str, object]]:
         record = json.loads(path.read_text())
         if record.get("format") != FORMAT_VERSION:
             raise CausalDraftError(f"{path}: unsupported eagle3 format {record.get('format')!r}")
-        fields = {name: record[name] for name in Eagle3Config.__dataclass_fields__}
+        fields = {name: record[name] for name in Eagle3Config.__dataclass_fields__ if name not in CALIBRATION_FIELDS}
+        fields.update({name: float(record[name]) for name in CALIBRATION_FIELDS if name in record})
         fields["aux_layers"] = tuple(fields["aux_layers"])
         return Eagle3Config(**fields), record
     except (json.JSONDecodeError, KeyError, TypeError) as error:

@@ -16,16 +16,21 @@ def rank_children(
     count: int,
     context: DraftContext,
     positions: list[int],  # absolute position of each node's children
+    score_temperature: float = 1.0,
+    sampling_temperature_scale: float = 1.0,
 ) -> list[Candidates]:
     """Each node's ``count`` best children as (target id, draft probability).
 
-    Greedy / rejection sampling: the most probable draft tokens. Gumbel sampling: the target
-    emits argmax(log p + g) with g the noise of the child's position, so the draft ranks by
-    log q + g with the same noise (q at the request's temperature) and guesses that very token."""
-    probs = torch.softmax(logits, dim=-1)  # [m, V']
+    Greedy / rejection sampling: the most probable draft tokens, scored softmax(logits / t0).
+    Gumbel sampling: the target emits argmax(log p + g) with g the noise of the child's position,
+    so the draft ranks by log q + g with the same noise (q at the request's temperature times s)
+    and guesses that very token. t0 and s are the drafter's calibration (``train/calibration.py``;
+    1 and 1: the drafter's plain distribution); neither changes what the target emits."""
+    probs = torch.softmax(logits / score_temperature, dim=-1)  # [m, V']
     ranking = probs
     if context.noise_seed is not None:
-        scaled = torch.log_softmax(logits / context.sampling.temperature, dim=-1)
+        temperature = context.sampling.temperature * sampling_temperature_scale
+        scaled = torch.log_softmax(logits / temperature, dim=-1)
         noise = torch.stack(
             [gumbel_noise(context.noise_seed, position, vocab_size)[vocab_ids] for position in positions]
         )

@@ -1,4 +1,4 @@
-"""``train-heads --heads eagle3``: generate (with features) -> train with TTT -> evaluate -> save.
+"""``train-heads --heads eagle3``: generate (with features) -> train with TTT -> evaluate -> calibrate -> save.
 
 The work directory holds the generated sequences and features (``eagle3-data``, resumable shard by
 shard) and the training checkpoint (resumable every ``checkpoint_every`` steps), so a killed run
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
+from causaldraft.train.calibration import calibrate_layer
 from causaldraft.train.data import order_suffix
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -145,6 +146,13 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     started = time.perf_counter()
     evaluation = evaluate_layer(layer, eval_set, embed, t.steps, t.context)
     timings["evaluate_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    calibration = calibrate_layer(layer, eval_set, embed, t.steps, t.context)
+    layer.config = replace(
+        layer.config, score_temperature=calibration.score_temperature,
+        sampling_temperature_scale=calibration.sampling_temperature_scale,
+    )  # fmt: skip
+    timings["calibrate_s"] = time.perf_counter() - started
     held_tokens = torch.cat([seq.tokens[seq.prompt_length :] for seq in eval_set])
     summary: dict[str, object] = {
         "command": recipe.command,
@@ -164,6 +172,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
         "last_loss": round(sum(history[-20:]) / len(history[-20:]), 4),
         "eval_vocab_coverage": round(float(torch.isin(held_tokens, vocab_ids).float().mean()), 4),
         "evaluation": evaluation.summary(),
+        "calibration": calibration.summary(),
         "seconds": {name: round(value, 1) for name, value in timings.items()},
     }
     save_layer(layer, recipe.out, {"training": summary})

@@ -116,6 +116,8 @@ class Batch:
     target_probs: torch.Tensor  # [B, N, steps, k] (0 outside V' or where invalid)
     greedy: torch.Tensor  # [B, N, steps] target argmax (full-vocabulary id)
     valid: torch.Tensor  # [B, N, steps] bool
+    topk_ids: torch.Tensor  # [B, N, steps, k] the target's top-k (full-vocabulary ids)
+    topk_logprobs: torch.Tensor  # [B, N, steps, k] their log-probs (of the full distribution)
 
 
 def make_batch(sequences: list[Sequence], steps: int, context: int, to_draft: torch.Tensor) -> Batch:
@@ -131,6 +133,8 @@ def make_batch(sequences: list[Sequence], steps: int, context: int, to_draft: to
     target_probs = torch.zeros(batch, width, steps, top_k)
     greedy = torch.zeros(batch, width, steps, dtype=torch.long)
     valid = torch.zeros(batch, width, steps, dtype=torch.bool)
+    topk_ids = torch.zeros(batch, width, steps, top_k, dtype=torch.long)
+    topk_logprobs = torch.zeros(batch, width, steps, top_k)
     for b, (seq, start, count) in enumerate(zip(sequences, crops, rows, strict=True)):
         length = seq.tokens.shape[0]
         features[b, :count] = seq.features[start:].float()
@@ -150,7 +154,9 @@ def make_batch(sequences: list[Sequence], steps: int, context: int, to_draft: to
             target_probs[b, first:last, step] = probs[index] * (draft_ids[index] >= 0)
             greedy[b, first:last, step] = seq.topk_ids[index, 0]
             valid[b, first:last, step] = True
-    return Batch(features, tokens, positions, target_ids, target_probs, greedy, valid)
+            topk_ids[b, first:last, step] = seq.topk_ids[index]
+            topk_logprobs[b, first:last, step] = seq.topk_logprobs[index]
+    return Batch(features, tokens, positions, target_ids, target_probs, greedy, valid, topk_ids, topk_logprobs)
 
 
 def ttt_outputs(layer: Eagle3Layer, embed: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:

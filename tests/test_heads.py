@@ -46,9 +46,10 @@ def random_heads_dir(
     )
     vocab_ids = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(seed))[:200].sort().values
     heads = new_heads(config, vocab_ids, tiny.backend.lm_head_weight(), seed)
+    generator = torch.Generator().manual_seed(seed)  # not the global RNG: the same heads whatever ran before
     with torch.no_grad():
         for parameter in heads.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.2)  # medusa blocks start at zero
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)  # medusa blocks start at zero
     save_heads(heads, directory)
     return directory
 

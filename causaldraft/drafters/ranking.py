@@ -26,17 +26,17 @@ def rank_children(
     so the draft ranks by log q + g with the same noise (q at the request's temperature times s)
     and guesses that very token. t0 and s are the drafter's calibration (``train/calibration.py``;
     1 and 1: the drafter's plain distribution); neither changes what the target emits."""
-    probs = torch.softmax(logits / score_temperature, dim=-1)  # [m, V']
-    ranking = probs
-    if context.noise_seed is not None:
+    if context.noise_seed is None:
+        probs = torch.softmax(logits / score_temperature, dim=-1)  # [m, V']
+        top = torch.topk(probs, count, dim=-1).indices  # [m, count]
+        values = probs.gather(1, top)
+    else:
         temperature = context.sampling.temperature * sampling_temperature_scale
-        scaled = torch.log_softmax(logits / temperature, dim=-1)
+        scaled = torch.log_softmax(logits / temperature, dim=-1)  # [m, V']
         noise = torch.stack(
             [gumbel_noise(context.noise_seed, position, vocab_size)[vocab_ids] for position in positions]
         )
-        ranking = scaled + noise
-        probs = scaled.exp()
-    top = torch.topk(ranking, count, dim=-1).indices  # [m, count]
-    ids = vocab_ids[top].tolist()
-    values = probs.gather(1, top).tolist()
-    return [list(zip(ids[row], values[row], strict=True)) for row in range(len(positions))]
+        top = torch.topk(scaled + noise, count, dim=-1).indices
+        values = scaled.gather(1, top).exp()  # q of the chosen children only
+    ids, scores = vocab_ids[top].tolist(), values.tolist()
+    return [list(zip(ids[row], scores[row], strict=True)) for row in range(len(positions))]

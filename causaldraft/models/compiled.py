@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models import blocked, native, quant
+from causaldraft.models import blocked, int4_kernel, native, quant
 from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
@@ -112,6 +112,7 @@ def code_digest() -> str:
     digest = hashlib.sha256()
     for module in (native, blocked, quant, sys.modules[__name__]):
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
+    digest.update(int4_kernel.SOURCE.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -150,7 +151,9 @@ class GraphKey:
 
     @staticmethod
     def of(model: NativeLlama, aux_layers: tuple[int, ...]) -> GraphKey:
-        dtype = "int4" if model.quantized and _has_int4(model) else "int8" if model.quantized else str(model.dtype)
+        dtype = str(model.dtype)
+        if model.quantized:
+            dtype = _int4_kind(model) if _has_int4(model) else "int8"
         architecture = architecture_digest(model)
         weights = values_digest(model) if frozen_weights(model) else ""
         return GraphKey(architecture, dtype, aux_layers, code_digest(), torch.__version__, cpu_signature(), weights)
@@ -161,6 +164,12 @@ class GraphKey:
 
 def _has_int4(model: NativeLlama) -> bool:
     return any(name.endswith(".packed") for name, _ in model.named_buffers())
+
+
+def _int4_kind(model: NativeLlama) -> str:
+    """ "int4" (torch's kernel) or "int4-blocks" (``int4_kernel``): the graphs call one or the other."""
+    blocks = any(isinstance(module, quant.Int4Linear) and module.kernel == "blocks" for module in model.modules())
+    return "int4-blocks" if blocks else "int4"
 
 
 def compile_model(

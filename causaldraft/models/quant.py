@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from causaldraft.errors import CausalDraftError
+from causaldraft.models import int4_kernel
 from causaldraft.models.native import FUSED_PROJECTIONS, NativeLlama
 
 GROUP_SIZE = 32
@@ -161,27 +162,39 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ ((q - 8) * scale + zero).T + bias`` in groups of 32 inputs, bf16 activations."""
+    """``y = x @ ((q - 8) * scale + zero).T + bias`` in groups of 32 inputs, bf16 activations.
 
-    packed: torch.Tensor  # [out, in / 2] uint8 in the kernel's CPU layout
-    scales_and_zeros: torch.Tensor  # [in / group, out, 2] bfloat16
+    ``kernel``: "blocks" (causaldraft's own, ``int4_kernel``: weights unpacked once per call for
+    every row) where it is available, else "torch" (``_weight_int4pack_mm_for_cpu``). Both take the
+    scales and zeros in bf16; their sums round in different orders, and each is row-invariant."""
+
+    packed: torch.Tensor  # blocks: [out / 16, in / 32, 320] records; torch: [out, in / 2] in its CPU layout
+    scales_and_zeros: torch.Tensor | None  # torch: [in / group, out, 2] bfloat16
     bias: torch.Tensor | None  # [out] bfloat16
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.values.shape
         self.group_size = weights.group_size
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.values.to(torch.int32), 1)
-        scales_and_zeros = torch.stack((weights.scales.t(), weights.zeros.t()), dim=-1)  # [groups, out, 2]
-        self.register_buffer("packed", packed)  # [out, in / 2] uint8, the kernel's CPU layout
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(ACTIVATION_DTYPE).contiguous())
+        self.kernel = "blocks" if weights.group_size == int4_kernel.GROUP and int4_kernel.available() else "torch"
+        if self.kernel == "blocks":
+            self.register_buffer("packed", int4_kernel.pack_blocks(weights.values, weights.scales, weights.zeros))
+            self.register_buffer("scales_and_zeros", None)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.values.to(torch.int32), 1)
+            scales_and_zeros = torch.stack((weights.scales.t(), weights.zeros.t()), dim=-1)  # [groups, out, 2]
+            self.register_buffer("packed", packed)  # [out, in / 2] uint8, the kernel's CPU layout
+            self.register_buffer("scales_and_zeros", scales_and_zeros.to(ACTIVATION_DTYPE).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(ACTIVATION_DTYPE))
 
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """[m, in] contiguous bf16 rows -> [m, out] bf16, without the bias."""
+        if self.scales_and_zeros is None:
+            return int4_kernel.product(rows, self.packed)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = as_rows(x, self.in_features)  # [m, in]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, self.packed, self.group_size, self.scales_and_zeros
-        )  # [m, out]
+        out = self.product(as_rows(x, self.in_features))  # [m, out]
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
@@ -189,10 +202,7 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] as the kernel sees it (multiplying the identity), float32."""
         identity = torch.eye(self.in_features, dtype=ACTIVATION_DTYPE)
-        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            identity, self.packed, self.group_size, self.scales_and_zeros
-        )  # [in, out]
-        return columns.t().float()
+        return self.product(identity).t().float()  # [out, in]
 
 
 QuantWeights = Int8Weights | Int4Weights

@@ -1,0 +1,131 @@
+"""causaldraft's int4 kernel (models/int4_kernel.py): the layout, the products, row invariance, the switch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from causaldraft.models import int4_kernel
+from causaldraft.models.quant import Int4Linear, Int4Weights, dequantize_int4, quantize_int4
+
+needs_kernel = pytest.mark.skipif(
+    not int4_kernel.cpu_supported() or shutil.which("c++") is None, reason="no AVX-512 with bf16, or no C++ compiler"
+)
+
+
+def weights(out_features: int, in_features: int, seed: int) -> Int4Weights:
+    generator = torch.Generator().manual_seed(seed)
+    return quantize_int4(torch.randn(out_features, in_features, generator=generator) * 0.05)
+
+
+def as_used(quantized: Int4Weights) -> torch.Tensor:
+    """The weight both kernels multiply by: scales and zeros rounded to bf16, float64."""
+    rounded = Int4Weights(
+        quantized.values, quantized.scales.to(torch.bfloat16).float(), quantized.zeros.to(torch.bfloat16).float()
+    )
+    return dequantize_int4(rounded).double()
+
+
+def bf16_columns(table: torch.Tensor, groups: int) -> torch.Tensor:
+    """[out, groups] -> [out, in] float64 after bf16 rounding."""
+    return table.to(torch.bfloat16).double().repeat_interleave(int4_kernel.GROUP, dim=1)
+
+
+def test_records_hold_each_value_where_the_layout_says() -> None:
+    """Channel n, input k of a record: chunk (k % 32) // 4, byte 2 * (n % 16) + k % 2, low nibble
+    when (k % 4) < 2; scales and zeros follow as bf16."""
+    values = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    scales = torch.rand(32, 2) + 0.5
+    zeros = torch.rand(32, 2) - 0.5
+    records = int4_kernel.pack_blocks(values, scales, zeros)
+    assert records.shape == (2, 2, int4_kernel.RECORD_BYTES) and records.dtype == torch.uint8
+    for n, k in [(0, 0), (0, 1), (0, 2), (0, 3), (5, 9), (17, 38), (31, 63)]:
+        record = records[n // 16, k // 32]
+        byte = int(record[32 * ((k % 32) // 4) + 2 * (n % 16) + k % 2])
+        assert (byte & 15 if k % 4 < 2 else byte >> 4) == int(values[n, k]), (n, k)
+        tail = record[256:].view(torch.bfloat16).float()
+        assert tail[n % 16] == scales[n, k // 32].to(torch.bfloat16).float()
+        assert tail[16 + n % 16] == zeros[n, k // 32].to(torch.bfloat16).float()
+
+
+def test_pack_refuses_shapes_the_kernel_cannot_take() -> None:
+    with pytest.raises(ValueError, match="out % 16"):
+        int4_kernel.pack_blocks(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1))
+    with pytest.raises(ValueError, match="in % 32"):
+        int4_kernel.pack_blocks(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(16, 1))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 96), (192, 576), (64, 1536)])
+def test_products_match_the_exact_product_within_bf16_rounding(out_features: int, in_features: int) -> None:
+    assert int4_kernel.available()
+    quantized = weights(out_features, in_features, seed=out_features)
+    linear = Int4Linear(quantized, None)
+    assert linear.kernel == "blocks"
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    exact = x.double() @ as_used(quantized).t()  # [7, out]
+    got = linear(x).double()
+    # fp32 sums of the terms x * (q - 8) * scale and x * zero, rounded once to bf16: half a bf16 ulp
+    # plus the fp32 sums' error, bounded by the terms' magnitudes
+    groups = quantized.scales.shape[1]
+    magnitude = ((quantized.values.double() - 8).abs() * bf16_columns(quantized.scales, groups)).abs()
+    magnitude = magnitude + bf16_columns(quantized.zeros, groups).abs()
+    bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ magnitude.t())
+    assert ((got - exact).abs() <= bound).all()
+
+
+@needs_kernel
+def test_the_weight_seen_through_the_kernel_is_the_bf16_scaled_weight() -> None:
+    quantized = weights(32, 64, seed=3)
+    seen = Int4Linear(quantized, None).dequantized().double()
+    assert torch.equal(seen, as_used(quantized).to(torch.bfloat16).double())
+
+
+@needs_kernel
+def test_every_row_is_computed_as_if_alone() -> None:
+    """Rows of a call of any size, at any place in it, give the bits of a one-row call (the
+    kernel processes rows 4, 2 and 1 at a time: all three paths are crossed)."""
+    linear = Int4Linear(weights(96, 576, seed=5), None)
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(13)])
+    for start, stop in [(0, 13), (0, 4), (1, 3), (2, 9), (5, 12), (12, 13)]:
+        assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
+
+
+@needs_kernel
+def test_thread_count_does_not_change_a_bit() -> None:
+    linear = Int4Linear(weights(256, 128, seed=7), None)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(linear(x), single)
+
+
+@needs_kernel
+def test_bad_operands_are_refused_by_the_kernel() -> None:
+    assert int4_kernel.available()
+    packed = int4_kernel.pack_blocks(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2))
+    with pytest.raises(RuntimeError, match="packed does not fit x"):
+        int4_kernel.product(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="bf16"):
+        int4_kernel.product(torch.zeros(2, 64), packed)
+
+
+def test_the_switch_selects_torchs_kernel() -> None:
+    """CAUSALDRAFT_INT4_KERNEL=torch: int4 linears use torch's kernel (read once per process)."""
+    code = (
+        "import torch; from causaldraft.models.quant import Int4Linear, quantize_int4; "
+        "print(Int4Linear(quantize_int4(torch.randn(16, 32)), None).kernel)"
+    )
+    env = {**os.environ, int4_kernel.SWITCH: "torch"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "torch"

@@ -112,7 +112,7 @@ def code_digest() -> str:
     digest = hashlib.sha256()
     for module in (native, blocked, quant, sys.modules[__name__]):
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
-    digest.update(int4_kernel.SOURCE.read_bytes())
+    digest.update(int4_kernel.SOURCE.read_bytes())  # the graphs call its operator: a new kernel, new calibrations
     return digest.hexdigest()[:16]
 
 
@@ -167,7 +167,7 @@ def _has_int4(model: NativeLlama) -> bool:
 
 
 def _int4_kind(model: NativeLlama) -> str:
-    """ "int4" (torch's kernel) or "int4-blocks" (``int4_kernel``): the graphs call one or the other."""
+    """The int4 kind a graph is built for: int4 (torch's kernel) or int4-blocks (``int4_kernel``)."""
     blocks = any(isinstance(module, quant.Int4Linear) and module.kernel == "blocks" for module in model.modules())
     return "int4-blocks" if blocks else "int4"
 

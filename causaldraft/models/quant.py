@@ -189,8 +189,9 @@ class Int4Linear(nn.Module):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """[m, in] contiguous bf16 rows -> [m, out] bf16, without the bias."""
-        if self.scales_and_zeros is None:
+        if self.kernel == "blocks":
             return int4_kernel.product(rows, self.packed)
+        assert self.scales_and_zeros is not None  # torch's layout
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -101,13 +101,16 @@ def test_every_row_is_computed_as_if_alone() -> None:
 def test_thread_count_does_not_change_a_bit() -> None:
     linear = Int4Linear(weights(256, 128, seed=7), None)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()  # the test session runs on one thread (conftest)
     try:
         torch.set_num_threads(1)
         single = linear(x)
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        double = linear(x)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(linear(x), single)
+    assert torch.equal(double, single)
 
 
 @needs_kernel

@@ -63,7 +63,7 @@ def run_compile(args: argparse.Namespace) -> int:
     from causaldraft.models.compiled import GraphStore, compile_batch
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama, default_aux_layers
-    from causaldraft.models.quant import Int4Linear
+    from causaldraft.models.quant import int4_kernels
 
     target = load_model(args.model, "native", args.dtype)
     backend = target.backend
@@ -79,7 +79,7 @@ def run_compile(args: argparse.Namespace) -> int:
         compile_batch(backend, args.batch)
     store = backend.graph_store
     directory = store.directory if isinstance(store, GraphStore) else ""
-    kernels = sorted({module.kernel for module in backend.modules() if isinstance(module, Int4Linear)})
+    kernels = int4_kernels(backend)
     print(json.dumps({"model": str(target.model_dir), "dtype": target.dtype, "buckets": list(backend.buckets),
                       "batch_buckets": list(backend.batch_graphs), "graphs": str(directory),
                       **({"int4_kernel": "+".join(kernels)} if kernels else {}),

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,18 @@ def test_the_switch_selects_torchs_kernel() -> None:
     env = {**os.environ, int4_kernel.SWITCH: "torch"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "torch"
+
+
+@needs_kernel
+def test_a_failed_build_falls_back_to_torchs_kernel_with_a_message(tmp_path: Path) -> None:
+    """No working compiler (CXX=false) and an empty home: int4 linears still work, on torch's kernel."""
+    code = (
+        "import torch; from causaldraft.models.quant import Int4Linear, quantize_int4; "
+        "linear = Int4Linear(quantize_int4(torch.randn(16, 32)), None); "
+        "print(linear.kernel, tuple(linear(torch.randn(2, 32)).shape))"
+    )
+    env = {**os.environ, "CXX": "false", "CAUSALDRAFT_HOME": str(tmp_path)}
+    env.pop(int4_kernel.SWITCH, None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "torch (2, 16)"
+    assert "int4 kernel not built" in result.stderr

@@ -153,23 +153,14 @@ class GraphKey:
     def of(model: NativeLlama, aux_layers: tuple[int, ...]) -> GraphKey:
         dtype = str(model.dtype)
         if model.quantized:
-            dtype = _int4_kind(model) if _has_int4(model) else "int8"
+            kernels = quant.int4_kernels(model)  # the graphs call one kernel or the other
+            dtype = "int8" if not kernels else "int4-blocks" if "blocks" in kernels else "int4"
         architecture = architecture_digest(model)
         weights = values_digest(model) if frozen_weights(model) else ""
         return GraphKey(architecture, dtype, aux_layers, code_digest(), torch.__version__, cpu_signature(), weights)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _has_int4(model: NativeLlama) -> bool:
-    return any(name.endswith(".packed") for name, _ in model.named_buffers())
-
-
-def _int4_kind(model: NativeLlama) -> str:
-    """The int4 kind a graph is built for: int4 (torch's kernel) or int4-blocks (``int4_kernel``)."""
-    blocks = any(isinstance(module, quant.Int4Linear) and module.kernel == "blocks" for module in model.modules())
-    return "int4-blocks" if blocks else "int4"
 
 
 def compile_model(

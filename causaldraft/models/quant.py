@@ -206,6 +206,11 @@ class Int4Linear(nn.Module):
         return self.product(identity).t().float()  # [out, in]
 
 
+def int4_kernels(model: nn.Module) -> tuple[str, ...]:
+    """The kernels ``model``'s int4 linears use, sorted ("blocks", "torch"); empty without int4."""
+    return tuple(sorted({module.kernel for module in model.modules() if isinstance(module, Int4Linear)}))
+
+
 QuantWeights = Int8Weights | Int4Weights
 
 

@@ -1,4 +1,8 @@
-"""causaldraft's int4 kernel (models/int4_kernel.py): the layout, the products, row invariance, the switch."""
+"""causaldraft's int4 kernel (models/int4_kernel.py): the layout, the products, row invariance, the switch.
+
+The kernel tests run on the build this CPU picks; ``test_the_other_builds_pass_the_kernel_tests``
+runs them again in a subprocess for each other build the CPU can run (the AVX2 build on an AVX-512
+bf16 CPU)."""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from causaldraft.models import int4_kernel
 from causaldraft.models.quant import Int4Linear, Int4Weights, dequantize_int4, quantize_int4
 
 needs_kernel = pytest.mark.skipif(
-    not int4_kernel.cpu_supported() or shutil.which("c++") is None, reason="no AVX-512 with bf16, or no C++ compiler"
+    not int4_kernel.cpu_supported() or shutil.which("c++") is None, reason="no AVX-512 bf16 or AVX2, or no compiler"
 )
+KERNEL_TESTS = "products or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for"
 
 
 def weights(out_features: int, in_features: int, seed: int) -> Int4Weights:
@@ -148,3 +153,29 @@ def test_a_failed_build_falls_back_to_torchs_kernel_with_a_message(tmp_path: Pat
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "torch (2, 16)"
     assert "int4 kernel not built" in result.stderr
+
+
+@needs_kernel
+def test_the_build_asked_for_is_the_one_loaded() -> None:
+    wanted = os.environ.get(int4_kernel.SWITCH, "")
+    build = int4_kernel.build_for_cpu()
+    assert build is not None and int4_kernel.available()
+    assert build.isa == (wanted or next(b.isa for b in int4_kernel.BUILDS if b.source == build.source))
+    if not wanted:
+        assert build == next(b for b in int4_kernel.BUILDS if set(b.cpu_flags) <= set(int4_kernel.cpu_flags()))
+
+
+def other_builds() -> list[str]:
+    flags = set(int4_kernel.cpu_flags())
+    runnable = [build.isa for build in int4_kernel.BUILDS if set(build.cpu_flags) <= flags]
+    return runnable[1:]  # the first is what this session's tests ran
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", other_builds() or [pytest.param("none", marks=pytest.mark.skip("one build here"))])
+def test_the_other_builds_pass_the_kernel_tests(isa: str) -> None:
+    env = {**os.environ, int4_kernel.SWITCH: isa}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", KERNEL_TESTS]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout

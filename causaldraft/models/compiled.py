@@ -112,7 +112,8 @@ def code_digest() -> str:
     digest = hashlib.sha256()
     for module in (native, blocked, quant, sys.modules[__name__]):
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
-    digest.update(int4_kernel.SOURCE.read_bytes())  # the graphs call its operator: a new kernel, new calibrations
+    for source in int4_kernel.SOURCES:  # the graphs call its operator: a new kernel, new calibrations
+        digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -1,4 +1,5 @@
-"""causaldraft's own int4 product (``kernels/int4_mm.cpp``), built once per machine on first use.
+"""causaldraft's own int4 product (``kernels/int4_mm.cpp`` for AVX-512 bf16, ``kernels/int4_mm_avx2.cpp``
+for AVX2 + FMA), built once per machine on first use.
 
 Why: torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) unpacks the weights again for every
 block of 4 rows, so a verify pass of 8 rows costs twice one of 4, and even a one-row product runs
@@ -12,8 +13,11 @@ scales and zeros in bf16, bf16 activations, fp32 sums, bf16 output); only the su
 differs. Every output element is computed by the same instructions whatever the row count and the
 thread count, so the product is row-invariant, which exactness needs (docs/exactness.md).
 
-Used where the CPU has AVX-512 with bf16, a C++ compiler is found and ``CAUSALDRAFT_INT4_KERNEL``
-is not ``torch``; otherwise int4 linears use torch's kernel (with a message when a build failed).
+Used where the CPU has AVX-512 with bf16 (that build) or else AVX2 with FMA (the AVX2 build: fp32
+multiply-adds on the same records, docs/int4-kernel.md), a C++ compiler is found and
+``CAUSALDRAFT_INT4_KERNEL`` is not ``torch`` (``avx2`` picks the AVX2 build where both run);
+otherwise int4 linears use torch's kernel (with a message when a build failed). Both builds use
+OpenMP threads (``-fopenmp``: ``at::parallel_for`` is inline and runs serially without it).
 The build (~10 s) lands in ``$CAUSALDRAFT_HOME/kernels/<digest of the source, flags and torch>``.
 
 Layout (``pack_blocks``): [out / 16, in / 32, 320] bytes, one record per block of 16 output
@@ -29,33 +33,70 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from causaldraft.paths import causaldraft_home
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "int4_mm.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+KERNELS = Path(__file__).resolve().parent / "kernels"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One instruction-set variant of the kernel: its source, compiler flags and the CPU flags it needs."""
+
+    isa: str
+    source: Path
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+# In order of preference. Both read the same records and compute the same exact terms; their sums
+# round differently (compiled graphs are keyed by the CPU, so each has its own).
+BUILDS = (
+    Build(
+        "avx512_bf16", KERNELS / "int4_mm.cpp",
+        ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    ),
+    Build("avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma")),
+)  # fmt: skip
+SOURCES = tuple(build.source for build in BUILDS)
 BLOCK = 16  # output channels per record
 GROUP = 32  # inputs per record (the quantization group)
 RECORD_BYTES = BLOCK * GROUP // 2 + 4 * BLOCK
-SWITCH = "CAUSALDRAFT_INT4_KERNEL"  # "torch": always torch's kernel
+SWITCH = "CAUSALDRAFT_INT4_KERNEL"  # "torch": always torch's kernel; "avx2": the AVX2 build even where AVX-512 is
 
 
-def cpu_supported() -> bool:
+def cpu_flags() -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in CPU_FLAGS)
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
 
 
-def source_digest() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+def build_for_cpu() -> Build | None:
+    """The first build this CPU runs (honouring ``SWITCH``), or None."""
+    wanted = os.environ.get(SWITCH, "").lower()
+    if wanted == "torch":
+        return None
+    flags = cpu_flags()
+    for build in BUILDS:
+        if wanted in ("", build.isa) and all(flag in flags for flag in build.cpu_flags):
+            return build
+    return None
+
+
+def cpu_supported() -> bool:
+    return build_for_cpu() is not None
+
+
+def source_digest(build: Build) -> str:
+    digest = hashlib.sha256(build.source.read_bytes())
+    digest.update(" ".join(build.flags).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:16]
 
@@ -63,18 +104,19 @@ def source_digest() -> str:
 @functools.cache
 def available() -> bool:
     """Whether ``torch.ops.causaldraft.int4_mm`` is loaded (built first when needed); once per process."""
-    if os.environ.get(SWITCH, "").lower() == "torch" or not cpu_supported():
+    build = build_for_cpu()
+    if build is None:
         return False
     from torch.utils import cpp_extension
 
     from causaldraft.models.quant import notify
 
-    digest = source_digest()
+    digest = source_digest(build)
     directory = causaldraft_home() / "kernels" / digest
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=f"causaldraft_int4_{digest}", sources=[str(SOURCE)], extra_cflags=list(FLAGS),
+            name=f"causaldraft_int4_{digest}", sources=[str(build.source)], extra_cflags=list(build.flags),
             build_directory=str(directory), is_python_module=False, verbose=False,
         )  # fmt: skip
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel serves

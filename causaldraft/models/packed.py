@@ -44,7 +44,10 @@ CHECK_SEED = 0
 
 
 def packed_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available())
+    """Whether oneDNN takes bf16 weights on this CPU: it needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT,
+    and refuses to reorder a bf16 weight elsewhere (an AVX2-only CPU such as AMD Zen 3). Where it
+    does not, heads and layers keep their plain or int8 products."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:

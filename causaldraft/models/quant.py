@@ -165,7 +165,8 @@ class Int4Linear(nn.Module):
     """``y = x @ ((q - 8) * scale + zero).T + bias`` in groups of 32 inputs, bf16 activations.
 
     ``kernel``: "blocks" (causaldraft's own, ``int4_kernel``: weights unpacked once per call for
-    every row) where it is available, else "torch" (``_weight_int4pack_mm_for_cpu``). Both take the
+    every row; an AVX-512 bf16 or an AVX2 build) where it is available, else "torch"
+    (``_weight_int4pack_mm_for_cpu``). Both take the
     scales and zeros in bf16; their sums round in different orders, and each is row-invariant."""
 
     packed: torch.Tensor  # blocks: [out / 16, in / 32, 320] records; torch: [out, in / 2] in its CPU layout

@@ -1,0 +1,213 @@
+// int4 weight x bf16 activation product for CPUs with AVX2 and FMA but no AVX-512 bf16 (e.g. AMD
+// Zen 3), on the same records as int4_mm.cpp (causaldraft/models/int4_kernel.py has the layout,
+// docs/int4-kernel.md the arithmetic). fp32 multiply-adds instead of bf16 dot products.
+//
+// A record's 16 bytes of a chunk c and half h, widened to 8 dwords, hold in dword n (channel
+// 8h + n) four nibbles: bits 0-3 input 4c, 4-7 input 4c + 2, 8-11 input 4c + 1, 12-15 input 4c + 3.
+// Each nibble is converted in place (masked, not shifted): the float of (d & 0xF0) is 16 q, and
+// the activation it meets is divided by 16 beforehand, so the product is q x exactly (powers of
+// two); likewise 256 and 4096. Each row's group dot product D = sum q x runs in two fixed chains
+// per half, then T = D - 8 S (S the row's sum over the group), total += T * scale + S * zero.
+// A row's instructions are the same whether it comes in a pair or alone, and whether the record is
+// unpacked into registers (calls of up to 4 rows) or once into a buffer (more rows), so its result
+// does not depend on the other rows of the call; threads split output blocks.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output channels per block (two ymm of fp32 lanes)
+constexpr int64_t kGroup = 32;  // inputs per quantization group
+constexpr int64_t kChunks = kGroup / 4;  // 32-byte chunks of a record, 4 inputs each
+constexpr int64_t kNibbles = kBlock * kGroup / 2;  // bytes of int4 values per (block, group)
+constexpr int64_t kBytes = kNibbles + 4 * kBlock;  // + 16 bf16 scales + 16 bf16 zeros
+constexpr int64_t kAhead = 8;
+constexpr int64_t kDirectRows = 4;  // calls of up to this many rows unpack each record per pair of rows
+constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line  // records prefetched ahead of the one being read
+
+// Slot k of a chunk (the order the nibbles sit in a dword): its input offset and scale factor.
+constexpr int kOffset[4] = {0, 2, 1, 3};
+constexpr float kFactor[4] = {1.0f, 1.0f / 16, 1.0f / 256, 1.0f / 4096};
+constexpr uint32_t kMask[4] = {0xF, 0xF0, 0xF00, 0xF000};
+
+// The record's weights as floats [32 slots][16 channels]: slot 4c + k holds 2^(4k) q at input
+// 4c + kOffset[k].
+inline void unpack(const uint8_t* bytes, float* weights) {
+  for (int c = 0; c < kChunks; ++c) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i words =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c + 16 * h)));
+      for (int k = 0; k < 4; ++k) {
+        const __m256i nibble = _mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(kMask[k])));
+        _mm256_store_ps(weights + (4 * c + k) * kBlock + 8 * h, _mm256_cvtepi32_ps(nibble));
+      }
+    }
+  }
+}
+
+inline __m256 bf16_to_fp32(const uint8_t* bytes) {
+  __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+}
+
+// The end of one row's group: T = D - 8 S per half, then total += T * scale + S * zero.
+inline void finish(__m256 even_lo, __m256 odd_lo, __m256 even_hi, __m256 odd_hi, float sum, const __m256* scales,
+                   float* total) {
+  const __m256 s = _mm256_set1_ps(sum), minus8s = _mm256_set1_ps(-8.0f * sum);
+  const __m256 t_lo = _mm256_add_ps(_mm256_add_ps(even_lo, odd_lo), minus8s);
+  const __m256 t_hi = _mm256_add_ps(_mm256_add_ps(even_hi, odd_hi), minus8s);
+  const __m256 lo = _mm256_fmadd_ps(t_lo, scales[0], _mm256_loadu_ps(total));
+  const __m256 hi = _mm256_fmadd_ps(t_hi, scales[1], _mm256_loadu_ps(total + 8));
+  _mm256_storeu_ps(total, _mm256_fmadd_ps(scales[2], s, lo));
+  _mm256_storeu_ps(total + 8, _mm256_fmadd_ps(scales[3], s, hi));
+}
+
+// R rows' groups from the unpacked record: D = sum over slots of w * x' in two chains per half
+// (even and odd slots), in slot order; the weights are loaded once for the R rows.
+template <int R>
+inline void rows_group(const float* weights, const float* const* slots, const float* sums, const __m256* scales,
+                       float* const* totals) {
+  __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
+  for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int p = 0; p < kGroup; p += 2) {
+    const float* even = weights + p * kBlock;
+    const float* odd = even + kBlock;
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(slots[r] + p), b = _mm256_broadcast_ss(slots[r] + p + 1);
+      even_lo[r] = _mm256_fmadd_ps(_mm256_load_ps(even), a, even_lo[r]);
+      even_hi[r] = _mm256_fmadd_ps(_mm256_load_ps(even + 8), a, even_hi[r]);
+      odd_lo[r] = _mm256_fmadd_ps(_mm256_load_ps(odd), b, odd_lo[r]);
+      odd_hi[r] = _mm256_fmadd_ps(_mm256_load_ps(odd + 8), b, odd_hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
+}
+
+// R rows' groups straight from the record's bytes, each chunk unpacked into registers: the same
+// chains in the same order as rows_group (for calls of few rows, where unpacking once into a
+// buffer costs more than unpacking once per pair of rows).
+template <int R>
+inline void rows_group_direct(const uint8_t* bytes, const float* const* slots, const float* sums,
+                              const __m256* scales, float* const* totals) {
+  __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
+  for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c)));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c + 16)));
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k += 2) {
+      const __m256i mask_a = _mm256_set1_epi32(static_cast<int>(kMask[k]));
+      const __m256i mask_b = _mm256_set1_epi32(static_cast<int>(kMask[k + 1]));
+      const __m256 w_even_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask_a));
+      const __m256 w_even_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask_a));
+      const __m256 w_odd_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask_b));
+      const __m256 w_odd_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask_b));
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(slots[r] + 4 * c + k), b = _mm256_broadcast_ss(slots[r] + 4 * c + k + 1);
+        even_lo[r] = _mm256_fmadd_ps(w_even_lo, a, even_lo[r]);
+        even_hi[r] = _mm256_fmadd_ps(w_even_hi, a, even_hi[r]);
+        odd_lo[r] = _mm256_fmadd_ps(w_odd_lo, b, odd_lo[r]);
+        odd_hi[r] = _mm256_fmadd_ps(w_odd_hi, b, odd_hi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
+}
+
+// Each row's inputs as fp32 in slot order and scaled ([rows, in]), and its sums per group
+// ([rows, groups], summed in input order).
+void prepare(const c10::BFloat16* x, int64_t rows, int64_t in_features, std::vector<float>& slots,
+             std::vector<float>& sums) {
+  const int64_t groups = in_features / kGroup;
+  slots.resize(rows * in_features);
+  sums.resize(rows * groups);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const c10::BFloat16* in = x + m * in_features + g * kGroup;
+      float* out = slots.data() + m * in_features + g * kGroup;
+      float sum = 0.0f;
+      for (int i = 0; i < kGroup; ++i) sum += static_cast<float>(in[i]);
+      sums[m * groups + g] = sum;
+      for (int c = 0; c < kChunks; ++c) {
+        for (int k = 0; k < 4; ++k) out[4 * c + k] = static_cast<float>(in[4 * c + kOffset[k]]) * kFactor[k];
+      }
+    }
+  }
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_mm: x must be [m, k] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: bad packed");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(groups * kGroup == in_features && packed.size(2) == kBytes, "int4_mm: packed does not fit x");
+  at::Tensor out = at::empty({rows, blocks * kBlock}, x.options());
+  if (rows == 0) return out;
+  std::vector<float> slots, sums;
+  prepare(x.data_ptr<at::BFloat16>(), rows, in_features, slots, sums);
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
+  auto* result = out.data_ptr<at::BFloat16>();
+  const int64_t out_features = blocks * kBlock;
+  const int64_t last = blocks * groups - 1;  // the last record (prefetches stay within the weights)
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float unpacked[kGroup * kBlock];
+    // [rows, 16] fp32 sums of the current block, on cache lines of this thread's own (64-byte aligned,
+    // padded): the threads write their sums after every record
+    std::vector<float> storage(rows * kBlock + 2 * kLine);
+    float* totals = storage.data() + (kLine - (reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float)) % kLine);
+    for (int64_t b = begin; b < end; ++b) {
+      std::fill(totals, totals + rows * kBlock, 0.0f);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t index = b * groups + g;
+        const uint8_t* record = weights + index * kBytes;
+        const uint8_t* ahead = weights + std::min(index + kAhead, last) * kBytes;
+        for (int64_t line = 0; line < kBytes; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+        }
+        const __m256 scales[4] = {bf16_to_fp32(record + kNibbles), bf16_to_fp32(record + kNibbles + 16),
+                                  bf16_to_fp32(record + kNibbles + 32), bf16_to_fp32(record + kNibbles + 48)};
+        const float* row_slots = slots.data() + g * kGroup;  // row m's at + m * in_features
+        const bool direct = rows <= kDirectRows;
+        if (!direct) unpack(record, unpacked);
+        for (int64_t m = 0; m < rows; m += 2) {
+          const int64_t next = std::min(m + 1, rows - 1);  // the pair, or the last row alone
+          const float* pair[2] = {row_slots + m * in_features, row_slots + next * in_features};
+          const float pair_sums[2] = {sums[m * groups + g], sums[next * groups + g]};
+          float* pair_totals[2] = {totals + m * kBlock, totals + next * kBlock};
+          if (next == m && direct) rows_group_direct<1>(record, pair, pair_sums, scales, pair_totals);
+          if (next == m && !direct) rows_group<1>(unpacked, pair, pair_sums, scales, pair_totals);
+          if (next != m && direct) rows_group_direct<2>(record, pair, pair_sums, scales, pair_totals);
+          if (next != m && !direct) rows_group<2>(unpacked, pair, pair_sums, scales, pair_totals);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t n = 0; n < kBlock; ++n) {
+          result[m * out_features + b * kBlock + n] = c10::BFloat16(totals[m * kBlock + n]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(causaldraft, m) {
+  m.def("int4_mm(Tensor x, Tensor packed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(causaldraft, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+}

@@ -1,5 +1,6 @@
 """The LM head through oneDNN (models/packed.py): row-invariant at every row count, the head of
-bf16 and quantized models, exact where it replaces F.linear's one-row product."""
+bf16 and quantized models, exact where it replaces F.linear's one-row product; the prompt twin of
+quantized models (packed bf16, or fp32 where oneDNN takes no bf16 weights)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from torch import nn
 from causaldraft.models.loading import LoadedModel
 from causaldraft.models.native import NativeLlama
 from causaldraft.models.packed import (
+    FLOAT32_MIN_ROWS,
     MAX_ROWS_PER_CALL,
+    Float32Linear,
     PackedLinear,
     is_linear,
     pack,
@@ -23,7 +26,9 @@ from causaldraft.models.packed import (
     rows_agree,
 )
 
-pytestmark = pytest.mark.skipif(not packed_available(), reason="oneDNN is missing or takes no bf16 weights on this CPU")
+needs_packing = pytest.mark.skipif(
+    not packed_available(), reason="oneDNN is missing or takes no bf16 weights on this CPU"
+)
 
 
 def random_weight(out_features: int, in_features: int, seed: int = 0) -> nn.Parameter:
@@ -32,6 +37,7 @@ def random_weight(out_features: int, in_features: int, seed: int = 0) -> nn.Para
     return nn.Parameter(weight.bfloat16(), requires_grad=False)
 
 
+@needs_packing
 @pytest.mark.parametrize("in_features", [64, 576, 1536])
 def test_every_row_is_its_one_row_product(in_features: int) -> None:
     """Calls of 1..80 rows (crossing the split into calls of at most 32) give each row bit for bit
@@ -48,6 +54,7 @@ def test_every_row_is_its_one_row_product(in_features: int) -> None:
         assert torch.equal(head(rows[:6].view(2, 3, in_features)), alone[:6].view(2, 3, -1))  # leading dims kept
 
 
+@needs_packing
 def test_unpadded_one_row_products_can_differ() -> None:
     """Why short calls are padded: for in_features 1536 some input's unpadded one-row product
     differs from the same row in a call of four (if oneDNN ever stops doing this, the padding is
@@ -63,6 +70,7 @@ def test_unpadded_one_row_products_can_differ() -> None:
     assert differs
 
 
+@needs_packing
 def test_matches_the_plain_linear_of_two_or_more_rows() -> None:
     """For a bf16 model the packed head computes what ``native.Linear`` (F.linear, a one-row input
     run as two rows) computed, bit for bit, so plain decoding's text does not change with it."""
@@ -75,6 +83,7 @@ def test_matches_the_plain_linear_of_two_or_more_rows() -> None:
         assert torch.equal(head(rows[:count]), plain), count
 
 
+@needs_packing
 def test_the_check_passes_for_model_shapes() -> None:
     for in_features in (64, 576, 960, 1536):
         weight = random_weight(512, in_features)
@@ -85,6 +94,7 @@ def test_fp32_weights_are_not_packed() -> None:
     assert packed_head(nn.Parameter(torch.randn(64, 32), requires_grad=False)) is None
 
 
+@needs_packing
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_models_use_the_packed_head(models: dict[str, LoadedModel], dtype: str) -> None:
     backend = models[dtype].backend
@@ -94,27 +104,40 @@ def test_models_use_the_packed_head(models: dict[str, LoadedModel], dtype: str) 
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_quantized_models_read_prompts_with_a_packed_twin(models: dict[str, LoadedModel], dtype: str) -> None:
-    """The twin shares the model's embeddings, norms and head, computes its layers in packed bf16,
-    and reads a prompt to nearly the same hidden states and cache (a different kernel, so not bit
-    for bit: plain and speculative decoding both start from the twin's cache)."""
+def test_quantized_models_read_prompts_with_a_twin(models: dict[str, LoadedModel], dtype: str) -> None:
+    """The twin shares the model's embeddings, norms and head, computes its layers in packed bf16
+    (fp32 where oneDNN takes no bf16 weights), and reads a prompt to nearly the same hidden states
+    and cache (a different kernel, so not bit for bit: plain and speculative decoding both start
+    from the twin's cache)."""
     loaded = models[dtype]
     model, twin = loaded.backend, loaded.prefill
     assert isinstance(model, NativeLlama) and isinstance(twin, NativeLlama)
     assert twin.embed_tokens is model.embed_tokens and twin.lm_head is model.lm_head and twin.norm is model.norm
     assert twin.layers[0].input_layernorm is model.layers[0].input_layernorm
-    assert isinstance(twin.layers[0].mlp.down_proj, PackedLinear) and not twin.graphs
-    tokens = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones(40, 40, dtype=torch.bool).tril()
+    twin_linear = PackedLinear if packed_available() else Float32Linear
+    assert isinstance(twin.layers[0].mlp.down_proj, twin_linear) and not twin.graphs
+    count = 96  # from FLOAT32_MIN_ROWS rows the fp32 twin uses its own weights
+    tokens = torch.randint(3, 200, (count,), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(count, count, dtype=torch.bool).tril()
     outputs, caches = [], []
     for backend in (model, twin):
-        cache = backend.new_cache(48)
-        outputs.append(backend.forward(tokens, torch.arange(40), mask, cache))
+        cache = backend.new_cache(count + 8)
+        outputs.append(backend.forward(tokens, torch.arange(count), mask, cache))
         caches.append(cache)
     spread = outputs[0].logits.std()
     assert (outputs[0].logits - outputs[1].logits).abs().max() < 0.1 * spread
-    assert caches[1].length == 40
-    assert (caches[0].keys[0][:, :40] - caches[1].keys[0][:, :40]).abs().max() < 0.05 * caches[0].keys[0].abs().max()
+    assert caches[1].length == count
+    keys = [cache.keys[0][:, :count] for cache in caches]
+    assert (keys[0] - keys[1]).abs().max() < 0.05 * keys[0].abs().max()
+
+
+def test_the_fp32_twin_reads_short_prompts_with_the_quantized_product(models: dict[str, LoadedModel]) -> None:
+    linear = models["int4"].backend.layers[0].mlp.down_proj
+    twin = Float32Linear(torch.randn(linear.out_features, linear.in_features), None, linear)
+    short = torch.randn(FLOAT32_MIN_ROWS - 1, linear.in_features).bfloat16()
+    assert torch.equal(twin(short), linear(short))
+    long = torch.randn(FLOAT32_MIN_ROWS, linear.in_features).bfloat16()
+    assert torch.equal(twin(long), F.linear(long.float(), twin.weight).bfloat16())
 
 
 def test_no_twin_beyond_the_memory_bound(models: dict[str, LoadedModel]) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from causaldraft.models.native import NativeLlama
@@ -182,7 +183,30 @@ def use_packed_head(model: NativeLlama) -> bool:
 # ---------------------------------------------------------------- prefill of quantized models
 
 PREFILL_ROWS_PER_CALL = 512  # a prompt's rows need no row invariance: large calls
-MAX_PREFILL_BYTES = 1 << 30  # no prefill copy for models whose bf16 layers exceed this
+MAX_PREFILL_BYTES = 1 << 30  # no prefill copy for models whose twin layers exceed this
+
+
+FLOAT32_MIN_ROWS = 80  # shorter prompts: the quantized product is cheaper than reading 4-byte weights
+
+
+class Float32Linear(nn.Module):
+    """A prompt twin's product where oneDNN takes no bf16 weights (AVX2-only CPUs): ``y = x @ W.T
+    (+ bias)`` in float32 for bfloat16 ``x`` (rounded back to bf16) through torch's fp32 GEMM for
+    calls of at least ``FLOAT32_MIN_ROWS`` rows, the quantized module's own product below that.
+    Measured on an AVX2 machine (default model, whole prompt): 40 tokens 157 ms quantized against
+    183 ms fp32, 300 tokens 775 against 570 ms; even at ~70 rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantized: nn.Module) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.float().contiguous()  # a plain attribute, like PackedLinear.packed
+        self.bias = None if bias is None else bias.float()
+        self.quantized = quantized  # shared with the model, not copied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < FLOAT32_MIN_ROWS * self.in_features:
+            return self.quantized(x)
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
 def prefill_model(
@@ -191,24 +215,29 @@ def prefill_model(
     max_bytes: int = MAX_PREFILL_BYTES,
 ) -> NativeLlama | None:
     """A twin of a quantized ``model`` for prompts: the same embeddings, norms, rope and LM head (shared,
-    not copied), with every layer linear computed in bf16 through oneDNN from ``dequantized(name)``
-    (a module's dequantized weight, e.g. ``layers.0.mlp.down_proj`` -> [out, in]; None if absent),
-    eagerly. The size bound is checked from the modules' shapes before anything is dequantized, and
-    the layers are dequantized one at a time.
+    not copied), with every layer linear computed from ``dequantized(name)`` (a module's dequantized
+    weight, e.g. ``layers.0.mlp.down_proj`` -> [out, in]; None if absent), eagerly: in bf16 through
+    oneDNN where the CPU takes bf16 weights there (``PackedLinear``), else in float32
+    (``Float32Linear``, from 80 prompt rows). The size bound is checked from the modules' shapes before anything is
+    dequantized, and the layers are dequantized one at a time.
 
-    Why: torch's int4 kernel costs ~1.5 ms per row for the default model whatever the row count,
-    while a packed bf16 product of a 40-row prompt costs ~0.6 ms per row (measured), so a prompt is
-    read 1.3-1.7x faster (40 tokens 117 -> 91 ms, 300 tokens 598 -> 344 ms). Plain and speculative
-    decoding share the prefill (``Decoder.prefill_target``), so both start from the same cache; the
-    decode passes themselves stay int4. Costs the bf16 copy of the layers (212 MB for the default
-    model); None where that exceeds ``max_bytes``, oneDNN is missing, or a weight is absent.
+    Why: the int4 kernels cost ~1.5 ms (torch's, AVX-512 machine) to ~3.4 ms (causaldraft's AVX2
+    build, AVX2 machine) per prompt row for the default model, while a packed bf16 product of a
+    40-row prompt costs ~0.6 ms per row (measured), so a prompt is read 1.3-1.7x faster (40 tokens
+    117 -> 91 ms, 300 tokens 598 -> 344 ms); the fp32 twin on the AVX2 machine: docs/int4-kernel.md.
+    Plain and speculative decoding share the prefill (``Decoder.prefill_target``), so both start
+    from the same cache; the decode passes themselves stay quantized. Costs the copy of the layers
+    (bf16: 212 MB for the default model, fp32: 424 MB); None where that exceeds ``max_bytes``,
+    oneDNN is missing, or a weight is absent.
     """
     linears = [
         (name, module) for name, module in model.named_modules() if name.startswith("layers.") and is_linear(module)
     ]
-    if not packed_available():
+    if not torch.backends.mkldnn.is_available():
         return None
-    if sum(module.out_features * module.in_features * 2 for _, module in linears) > max_bytes:
+    packed = packed_available()
+    element_bytes = 2 if packed else 4
+    if sum(module.out_features * module.in_features * element_bytes for _, module in linears) > max_bytes:
         return None
     with torch.device("meta"):
         twin = NativeLlama(model.llama_shape, torch.empty(0), model.rope_scaling)
@@ -221,12 +250,16 @@ def prefill_model(
         full = dequantized(name)
         if full is None:
             return None
-        weight = full.to(torch.bfloat16)  # [out, in]
         bias = source.bias if isinstance(source.bias, torch.Tensor) else None
-        packed = pack(weight, PREFILL_ROWS_PER_CALL)
-        linear = PackedLinear(
-            packed, (weight.shape[0], weight.shape[1]), bias=bias, rows_per_call=PREFILL_ROWS_PER_CALL
-        )
+        linear: nn.Module
+        if packed:
+            weight = full.to(torch.bfloat16)  # [out, in]
+            linear = PackedLinear(
+                pack(weight, PREFILL_ROWS_PER_CALL), (weight.shape[0], weight.shape[1]), bias=bias,
+                rows_per_call=PREFILL_ROWS_PER_CALL,
+            )  # fmt: skip
+        else:
+            linear = Float32Linear(full, bias, source)
         parent_name, _, child = name.rpartition(".")
         setattr(twin.get_submodule(parent_name), child, linear)
     leftover = [name for name, tensor in [*twin.named_parameters(), *twin.named_buffers()] if tensor.is_meta]

@@ -16,12 +16,16 @@ import pytest
 import torch
 
 from causaldraft.models import int4_kernel
-from causaldraft.models.quant import Int4Linear, Int4Weights, dequantize_int4, quantize_int4
+from causaldraft.models.quant import Int4Linear, Int4Weights, Int8Linear, dequantize_int4, quantize_int4, quantize_int8
 
 needs_kernel = pytest.mark.skipif(
     not int4_kernel.cpu_supported() or shutil.which("c++") is None, reason="no AVX-512 bf16 or AVX2, or no compiler"
 )
-KERNEL_TESTS = "products or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for"
+KERNEL_TESTS = "products or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for or int8"
+needs_int8 = pytest.mark.skipif(
+    not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().int8) or shutil.which("c++") is None,  # type: ignore[union-attr]
+    reason="the int8 product is the AVX2 build's",
+)
 
 
 def weights(out_features: int, in_features: int, seed: int) -> Int4Weights:
@@ -179,3 +183,49 @@ def test_the_other_builds_pass_the_kernel_tests(isa: str) -> None:
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+@needs_int8
+def test_int8_records_and_products() -> None:
+    """The AVX2 build's int8 product: records hold each input's 16 channels; products stay within
+    bf16 rounding of the float64 product with bf16 scales; the weight read back is the one given."""
+    generator = torch.Generator().manual_seed(11)
+    quantized = quantize_int8(torch.randn(48, 96, generator=generator))
+    linear = Int8Linear(quantized, None)
+    assert linear.kernel == "blocks" and linear.qweight.shape == (3, 96, 16)
+    assert torch.equal(linear.qweight[1, 5], quantized.values[16:32, 5])
+    assert torch.equal(int4_kernel.unpack_int8(linear.qweight), quantized.values)
+    x = torch.randn(5, 96, generator=generator).to(torch.bfloat16)
+    weight = quantized.values.double() * quantized.scales.to(torch.bfloat16).double()[:, None]
+    exact = x.double() @ weight.t()
+    bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ weight.abs().t())
+    assert ((linear(x).double() - exact).abs() <= bound).all()
+    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, quantized.values.contiguous(), linear.scales)
+    assert ((torch_kernel.double() - exact).abs() <= bound).all()  # the same bound holds torch's kernel
+
+
+@needs_int8
+def test_int8_rows_are_computed_as_if_alone_on_any_thread_count() -> None:
+    linear = Int8Linear(quantize_int8(torch.randn(64, 576, generator=torch.Generator().manual_seed(12))), None)
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(7)])
+    for start, stop in [(0, 7), (0, 2), (1, 4), (3, 7), (6, 7)]:
+        assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(linear(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_int8
+def test_int8_bad_operands_are_refused_by_the_kernel() -> None:
+    packed = int4_kernel.pack_int8(torch.zeros(16, 64, dtype=torch.int8))
+    scales = torch.ones(16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="packed does not fit x"):
+        int4_kernel.int8_product(torch.zeros(2, 32, dtype=torch.bfloat16), packed, scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        int4_kernel.int8_product(torch.zeros(2, 64, dtype=torch.bfloat16), packed, scales[:8])
+    with pytest.raises(ValueError, match="out % 16"):
+        int4_kernel.pack_int8(torch.zeros(8, 64, dtype=torch.int8))

@@ -134,28 +134,41 @@ def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ (q * scale).T + bias`` with bfloat16 activations."""
+    """``y = x @ (q * scale).T + bias`` with bfloat16 activations.
 
-    qweight: torch.Tensor  # [out, in] int8
+    ``kernel``: "blocks" (causaldraft's AVX2 build, ``int4_kernel.int8_product``: records of 16
+    channels per input, fp32 multiply-adds, row-invariant by construction) where it is loaded and
+    out_features is a multiple of 16, else "torch" (``_weight_int8pack_mm``). Both take the
+    scales in bf16."""
+
+    qweight: torch.Tensor  # torch: [out, in] int8; blocks: [out / 16, in, 16] int8
     scales: torch.Tensor  # [out] bfloat16
     bias: torch.Tensor | None  # [out] bfloat16
 
     def __init__(self, weights: Int8Weights, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.values.shape
-        # a fresh (aligned) copy: the kernel crashes on tensors read unaligned from safetensors
-        self.register_buffer("qweight", weights.values.clone(memory_format=torch.contiguous_format))
+        blocks = self.out_features % int4_kernel.BLOCK == 0 and int4_kernel.int8_available()
+        self.kernel = "blocks" if blocks else "torch"
+        if blocks:
+            self.register_buffer("qweight", int4_kernel.pack_int8(weights.values))
+        else:  # a fresh (aligned) copy: the kernel crashes on tensors read unaligned from safetensors
+            self.register_buffer("qweight", weights.values.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weights.scales.to(ACTIVATION_DTYPE))  # [out]
         self.register_buffer("bias", None if bias is None else bias.to(ACTIVATION_DTYPE))
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] in bfloat16 (materialised on every call)."""
-        return (self.qweight.float() * self.scales.float()[:, None]).to(ACTIVATION_DTYPE)
+        values = int4_kernel.unpack_int8(self.qweight) if self.kernel == "blocks" else self.qweight
+        return (values.float() * self.scales.float()[:, None]).to(ACTIVATION_DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = as_rows(x, self.in_features)  # [m, in]
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [m, out]
+        if self.kernel == "blocks":
+            out = int4_kernel.int8_product(rows, self.qweight, self.scales)  # [m, out]
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # [m, out]
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)

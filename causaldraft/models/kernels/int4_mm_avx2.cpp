@@ -77,17 +77,19 @@ inline void rows_group(const float* weights, const float* const* slots, const fl
                        float* const* totals) {
   __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
   for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-  for (int p = 0; p < kGroup; p += 2) {
-    const float* even = weights + p * kBlock;
-    const float* odd = even + kBlock;
+#pragma GCC unroll 32
+  for (int p = 0; p < kGroup; ++p) {  // one slot at a time, as rows_group_direct
+    const __m256 w_lo = _mm256_load_ps(weights + p * kBlock), w_hi = _mm256_load_ps(weights + p * kBlock + 8);
 #pragma GCC unroll 2
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(slots[r] + p), b = _mm256_broadcast_ss(slots[r] + p + 1);
-      even_lo[r] = _mm256_fmadd_ps(_mm256_load_ps(even), a, even_lo[r]);
-      even_hi[r] = _mm256_fmadd_ps(_mm256_load_ps(even + 8), a, even_hi[r]);
-      odd_lo[r] = _mm256_fmadd_ps(_mm256_load_ps(odd), b, odd_lo[r]);
-      odd_hi[r] = _mm256_fmadd_ps(_mm256_load_ps(odd + 8), b, odd_hi[r]);
+      const __m256 a = _mm256_broadcast_ss(slots[r] + p);
+      if (p % 2 == 0) {
+        even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
+        even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
+      } else {
+        odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
+        odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
@@ -105,21 +107,22 @@ inline void rows_group_direct(const uint8_t* bytes, const float* const* slots, c
   for (int c = 0; c < kChunks; ++c) {
     const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c)));
     const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c + 16)));
+    // one slot at a time: 8 accumulators, 2 words, 2 weights and a broadcast stay in registers
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; k += 2) {
-      const __m256i mask_a = _mm256_set1_epi32(static_cast<int>(kMask[k]));
-      const __m256i mask_b = _mm256_set1_epi32(static_cast<int>(kMask[k + 1]));
-      const __m256 w_even_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask_a));
-      const __m256 w_even_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask_a));
-      const __m256 w_odd_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask_b));
-      const __m256 w_odd_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask_b));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i mask = _mm256_set1_epi32(static_cast<int>(kMask[k]));
+      const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+      const __m256 w_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(slots[r] + 4 * c + k), b = _mm256_broadcast_ss(slots[r] + 4 * c + k + 1);
-        even_lo[r] = _mm256_fmadd_ps(w_even_lo, a, even_lo[r]);
-        even_hi[r] = _mm256_fmadd_ps(w_even_hi, a, even_hi[r]);
-        odd_lo[r] = _mm256_fmadd_ps(w_odd_lo, b, odd_lo[r]);
-        odd_hi[r] = _mm256_fmadd_ps(w_odd_hi, b, odd_hi[r]);
+        const __m256 a = _mm256_broadcast_ss(slots[r] + 4 * c + k);
+        if (k % 2 == 0) {
+          even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
+          even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
+        } else {
+          odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
+          odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
+        }
       }
     }
   }
@@ -202,12 +205,92 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
   return out;
 }
 
+
+// ---------------------------------------------------------------- int8 x bf16 (the AVX2 build only)
+//
+// y = scale * sum over inputs of q x, q int8 per output channel (torch's int8 format, scales in
+// bf16), for the LM heads of quantized models where oneDNN takes no bf16 weights. Records: per
+// block of 16 channels, for each input its 16 channels' bytes ([out / 16, in, 16]). Two chains per
+// half (even and odd inputs), rows in pairs or alone with the same instructions per row: row-invariant.
+
+template <int R>
+inline void int8_rows(const int8_t* block, int64_t in_features, const float* const* rows, const __m256* scales,
+                      c10::BFloat16* const* out) {
+  __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
+  for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in_features; i += 2) {
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; ++t) {
+      const int8_t* bytes = block + (i + t) * kBlock;
+      const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+      const __m256 w_hi =
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8))));
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(rows[r] + i + t);
+        if (t == 0) {
+          even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
+          even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
+        } else {
+          odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
+          odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float values[kBlock];
+    _mm256_store_ps(values, _mm256_mul_ps(_mm256_add_ps(even_lo[r], odd_lo[r]), scales[0]));
+    _mm256_store_ps(values + 8, _mm256_mul_ps(_mm256_add_ps(even_hi[r], odd_hi[r]), scales[1]));
+    for (int n = 0; n < kBlock; ++n) out[r][n] = c10::BFloat16(values[n]);
+  }
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x must be [m, k] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kBlock, "int8_mm: bad packed");
+  const int64_t rows = x.size(0), in_features = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == in_features && in_features % 2 == 0, "int8_mm: packed does not fit x");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == blocks * kBlock && scales.scalar_type() == at::kBFloat16 &&
+                  scales.is_contiguous(), "int8_mm: scales must be [out] bf16");
+  const int64_t out_features = blocks * kBlock;
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  std::vector<float> xs(rows * in_features);
+  const c10::BFloat16* in = x.data_ptr<at::BFloat16>();
+  for (int64_t j = 0; j < rows * in_features; ++j) xs[j] = static_cast<float>(in[j]);
+  const int8_t* weights = packed.data_ptr<int8_t>();
+  const auto* scale_bytes = reinterpret_cast<const uint8_t*>(scales.data_ptr<at::BFloat16>());
+  auto* result = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int8_t* block = weights + b * in_features * kBlock;
+      const __m256 block_scales[2] = {bf16_to_fp32(scale_bytes + 2 * b * kBlock),
+                                      bf16_to_fp32(scale_bytes + 2 * b * kBlock + 16)};
+      for (int64_t m = 0; m < rows; m += 2) {
+        const int64_t next = std::min(m + 1, rows - 1);  // the pair, or the last row alone
+        const float* pair[2] = {xs.data() + m * in_features, xs.data() + next * in_features};
+        c10::BFloat16* targets[2] = {result + m * out_features + b * kBlock, result + next * out_features + b * kBlock};
+        if (next == m) {
+          int8_rows<1>(block, in_features, pair, block_scales, targets);
+        } else {
+          int8_rows<2>(block, in_features, pair, block_scales, targets);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(causaldraft, m) {
   m.def("int4_mm(Tensor x, Tensor packed) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(causaldraft, CPU, m) {
   m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
 }

@@ -70,6 +70,23 @@ inline void finish(__m256 even_lo, __m256 odd_lo, __m256 even_hi, __m256 odd_hi,
   _mm256_storeu_ps(total + 8, _mm256_fmadd_ps(scales[3], s, hi));
 }
 
+// Slot p's weights (both halves) times R rows' activation at that slot, into the even or odd chains.
+template <int R>
+inline void slot_step(int p, __m256 w_lo, __m256 w_hi, const float* const* slots, int64_t offset, __m256* even_lo,
+                      __m256* even_hi, __m256* odd_lo, __m256* odd_hi) {
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_broadcast_ss(slots[r] + offset);
+    if (p % 2 == 0) {
+      even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
+      even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
+    } else {
+      odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
+      odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
+    }
+  }
+}
+
 // R rows' groups from the unpacked record: D = sum over slots of w * x' in two chains per half
 // (even and odd slots), in slot order; the weights are loaded once for the R rows.
 template <int R>
@@ -80,17 +97,7 @@ inline void rows_group(const float* weights, const float* const* slots, const fl
 #pragma GCC unroll 32
   for (int p = 0; p < kGroup; ++p) {  // one slot at a time, as rows_group_direct
     const __m256 w_lo = _mm256_load_ps(weights + p * kBlock), w_hi = _mm256_load_ps(weights + p * kBlock + 8);
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(slots[r] + p);
-      if (p % 2 == 0) {
-        even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
-        even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
-      } else {
-        odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
-        odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
-      }
-    }
+    slot_step<R>(p, w_lo, w_hi, slots, p, even_lo, even_hi, odd_lo, odd_hi);
   }
   for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
 }
@@ -113,17 +120,7 @@ inline void rows_group_direct(const uint8_t* bytes, const float* const* slots, c
       const __m256i mask = _mm256_set1_epi32(static_cast<int>(kMask[k]));
       const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
       const __m256 w_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(slots[r] + 4 * c + k);
-        if (k % 2 == 0) {
-          even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
-          even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
-        } else {
-          odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
-          odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
-        }
-      }
+      slot_step<R>(k, w_lo, w_hi, slots, 4 * c + k, even_lo, even_hi, odd_lo, odd_hi);
     }
   }
   for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
@@ -225,17 +222,7 @@ inline void int8_rows(const int8_t* block, int64_t in_features, const float* con
       const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
       const __m256 w_hi =
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8))));
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(rows[r] + i + t);
-        if (t == 0) {
-          even_lo[r] = _mm256_fmadd_ps(w_lo, a, even_lo[r]);
-          even_hi[r] = _mm256_fmadd_ps(w_hi, a, even_hi[r]);
-        } else {
-          odd_lo[r] = _mm256_fmadd_ps(w_lo, a, odd_lo[r]);
-          odd_hi[r] = _mm256_fmadd_ps(w_hi, a, odd_hi[r]);
-        }
-      }
+      slot_step<R>(t, w_lo, w_hi, rows, i + t, even_lo, even_hi, odd_lo, odd_hi);
     }
   }
   for (int r = 0; r < R; ++r) {

@@ -71,12 +71,14 @@ RECORD_BYTES = BLOCK * GROUP // 2 + 4 * BLOCK
 SWITCH = "CAUSALDRAFT_INT4_KERNEL"  # "torch": always torch's kernel; "avx2": the AVX2 build even where AVX-512 is
 
 
-def cpu_flags() -> list[str]:
+@functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU's flags from /proc/cpuinfo (read once per process: every Int8Linear asks)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return ()
+    return tuple(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def build_for_cpu() -> Build | None:

@@ -16,6 +16,13 @@ from causaldraft.models.blocked import KEY_BLOCK, blocked_keys, pass_room
 from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
+from causaldraft.models.products import (
+    at_least_rows,
+    fp32_products_row_invariant,
+    native_bf16_products,
+    product_dtype,
+    product_rows,
+)
 from tests.test_eagle3 import layer_dir
 from tests.test_heads import random_heads_dir
 
@@ -123,6 +130,23 @@ def test_the_old_attention_was_not_row_invariant(models: dict[str, LoadedModel])
         assert layout is not None
         blocked, _ = backend.body(tokens[None], positions[None], layout, slots, keys, values)
     assert not torch.equal(over_mask[0::2], blocked[0::2])
+
+
+def test_a_product_is_computed_with_at_least_its_dtype_s_fewest_rows() -> None:
+    x = torch.arange(6.0).view(3, 2)
+    assert at_least_rows(x, 2) is x
+    assert torch.equal(at_least_rows(x, 4), torch.cat((x, x)))
+    assert torch.equal(at_least_rows(x[:1], product_rows(torch.float32)), x[:1].repeat(4, 1))
+    assert at_least_rows(x[:1], product_rows(torch.bfloat16)).shape == (2, 2)
+
+
+def test_bf16_attention_products_run_in_fp32_only_where_bf16_is_not_native() -> None:
+    """Where torch's bf16 products are a generic kernel (AVX2), attention multiplies in fp32 if this
+    CPU's fp32 products round each row alike whatever the others (checked once); the bf16 layer
+    tests above then run that path."""
+    assert product_dtype(torch.float32) == torch.float32
+    in_fp32 = not native_bf16_products() and fp32_products_row_invariant()
+    assert product_dtype(torch.bfloat16) == (torch.float32 if in_fp32 else torch.bfloat16)
 
 
 def test_a_pass_past_the_key_block_has_no_blocked_layout() -> None:

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from causaldraft.models.products import at_least_rows, product_dtype, product_rows
+
 KEY_BLOCK = 64  # positions per key block; a multiple of every vector width the reductions use
 
 
@@ -157,10 +159,13 @@ def attend_blocked(
     group = heads // kv_heads
     head = layout.head
     width = KEY_BLOCK + n  # slots [0, T + width) hold every head and tail position of every row
-    grouped = at_least_two_rows(q.reshape(sequences, kv_heads, group * n, hd))  # [S, kvh, max(2, g*n), hd]
+    work = product_dtype(keys.dtype)  # bf16 products run in fp32 where bf16 is not native (rounded back)
+    least = product_rows(work)
+    grouped = at_least_rows(q.reshape(sequences, kv_heads, group * n, hd).to(work), least)  # [S, kvh, >= g*n, hd]
     # the cache slices are copied to dense tensors first: the batched product copies a strided
     # operand itself, at twice the cost (measured: a third of a 1-row int4 pass's attention time)
-    by_slot = torch.matmul(grouped, keys[:, :, : head + width].contiguous().transpose(2, 3))[:, :, : group * n]
+    head_keys = dense(keys[:, :, : head + width], work).transpose(2, 3)
+    by_slot = torch.matmul(grouped, head_keys)[:, :, : group * n].to(keys.dtype)
     by_slot = by_slot.float().view(sequences, kv_heads, group, n, head + width)  # over slots [0, T + W)
     seen = layout.seen.view(sequences, 1, 1, n, head + KEY_BLOCK)
     to_slot = layout.tail_slots.view(sequences, 1, 1, n, KEY_BLOCK).expand(sequences, kv_heads, group, n, KEY_BLOCK)
@@ -178,14 +183,15 @@ def attend_blocked(
     tail_weights = (tail_exp / total).transpose(2, 3)  # [S, kvh, n, g, B] fp32
     # one [g, B] x [B, hd] product per row, in fp32: every call has the same matrix shape whatever
     # n (only the batch count grows), and fp32's small products cost a third of bf16's per call
-    tail_out = torch.matmul(at_least_two_rows(tail_weights), tail_values.float())[:, :, :, :group].transpose(2, 3)
+    tail_out = torch.matmul(at_least_rows(tail_weights, 2), tail_values.float())[:, :, :, :group].transpose(2, 3)
     head_weights = (head_exp / total).to(values.dtype).reshape(sequences, kv_heads, group * n, head)
-    head_out = torch.matmul(at_least_two_rows(head_weights), values[:, :, :head].contiguous())[:, :, : group * n]
+    head_values = dense(values[:, :, :head], work)
+    head_out = torch.matmul(at_least_rows(head_weights.to(work), least), head_values)[:, :, : group * n]
+    head_out = head_out.to(values.dtype)  # rounded as a bf16 product rounds
     out = tail_out + head_out.view(sequences, kv_heads, group, n, hd).float()  # [S, kvh, g, n, hd]
     return out.to(q.dtype).reshape(sequences, heads, n, hd)
 
 
-def at_least_two_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., m, k] with m >= 2: a product's one-row kernel rounds differently from the kernels of
-    two or more rows (measured, bf16 and fp32), so one row is computed as two."""
-    return x if x.shape[-2] >= 2 else torch.cat((x, x), dim=-2)
+def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy of ``x`` in ``dtype`` (a product's dense operand)."""
+    return x.to(dtype).contiguous()

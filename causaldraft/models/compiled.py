@@ -43,6 +43,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models import blocked, int4_kernel, native, quant
 from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
+from causaldraft.models.products import product_dtype
 from causaldraft.paths import causaldraft_home
 
 COMPILED_FORMAT = 2
@@ -343,6 +344,7 @@ class GraphStore:
         dynamic = ({name: None for name in weights}, None, None, None, {2: span}, None,
                    [{2: capacity}] * len(keys), [{2: capacity}] * len(values))  # fmt: skip
         options = {**INDUCTOR_OPTIONS, "freezing": bool(self.key.weights)}
+        product_dtype(model.dtype)  # its one-time CPU check runs now: export's tracer cannot run it
         with torch.no_grad(), tempfile.TemporaryDirectory(dir=self.directory) as work:  # freezing needs no_grad
             exported = torch.export.export(
                 _Body(model, self.key.aux_layers), (weights, *args), dynamic_shapes=dynamic, strict=False

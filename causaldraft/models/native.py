@@ -25,13 +25,13 @@ from causaldraft.models.blocked import (
     KEY_BLOCK,
     BlockedKeys,
     SequenceKeys,
-    at_least_two_rows,
     attend_blocked,
     blocked_keys,
     pass_room,
     sequence_keys,
     stack_keys,
 )
+from causaldraft.models.products import at_least_rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
@@ -136,7 +136,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        return F.linear(at_least_two_rows(x), self.weight, self.bias)[: x.shape[0]]
+        return F.linear(at_least_rows(x, 2), self.weight, self.bias)[: x.shape[0]]
 
 
 class Attention(nn.Module):

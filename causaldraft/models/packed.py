@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from causaldraft.models.native import NativeLlama
+from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import INT8_IN_MULTIPLE, Int4Linear, Int8Linear, quantize_int8
 
 MAX_ROWS_PER_CALL = 32  # rows of one oneDNN call (longer inputs are split)
@@ -48,7 +49,7 @@ def packed_available() -> bool:
     """Whether oneDNN takes bf16 weights on this CPU: it needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT,
     and refuses to reorder a bf16 weight elsewhere (an AVX2-only CPU such as AMD Zen 3). Where it
     does not, heads and layers keep their plain or int8 products."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return native_bf16_products()
 
 
 def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:

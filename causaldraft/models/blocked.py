@@ -159,13 +159,15 @@ def attend_blocked(
     group = heads // kv_heads
     head = layout.head
     width = KEY_BLOCK + n  # slots [0, T + width) hold every head and tail position of every row
-    work = product_dtype(keys.dtype)  # bf16 products run in fp32 where bf16 is not native (rounded back)
+    # bf16 products run in fp32 where bf16 is not native (the cache is then fp32: NativeLlama.cache_dtype),
+    # each result rounded back to the model's dtype as a bf16 product rounds
+    work = product_dtype(keys.dtype)
     least = product_rows(work)
     grouped = at_least_rows(q.reshape(sequences, kv_heads, group * n, hd).to(work), least)  # [S, kvh, >= g*n, hd]
-    # the cache slices are copied to dense tensors first: the batched product copies a strided
+    # bf16 cache slices are copied to dense tensors first: the batched product copies a strided
     # operand itself, at twice the cost (measured: a third of a 1-row int4 pass's attention time)
     head_keys = dense(keys[:, :, : head + width], work).transpose(2, 3)
-    by_slot = torch.matmul(grouped, head_keys)[:, :, : group * n].to(keys.dtype)
+    by_slot = torch.matmul(grouped, head_keys)[:, :, : group * n].to(q.dtype)
     by_slot = by_slot.float().view(sequences, kv_heads, group, n, head + width)  # over slots [0, T + W)
     seen = layout.seen.view(sequences, 1, 1, n, head + KEY_BLOCK)
     to_slot = layout.tail_slots.view(sequences, 1, 1, n, KEY_BLOCK).expand(sequences, kv_heads, group, n, KEY_BLOCK)
@@ -184,14 +186,17 @@ def attend_blocked(
     # one [g, B] x [B, hd] product per row, in fp32: every call has the same matrix shape whatever
     # n (only the batch count grows), and fp32's small products cost a third of bf16's per call
     tail_out = torch.matmul(at_least_rows(tail_weights, 2), tail_values.float())[:, :, :, :group].transpose(2, 3)
-    head_weights = (head_exp / total).to(values.dtype).reshape(sequences, kv_heads, group * n, head)
+    head_weights = (head_exp / total).to(q.dtype).reshape(sequences, kv_heads, group * n, head)
     head_values = dense(values[:, :, :head], work)
     head_out = torch.matmul(at_least_rows(head_weights.to(work), least), head_values)[:, :, : group * n]
-    head_out = head_out.to(values.dtype)  # rounded as a bf16 product rounds
+    head_out = head_out.to(q.dtype)
     out = tail_out + head_out.view(sequences, kv_heads, group, n, hd).float()  # [S, kvh, g, n, hd]
     return out.to(q.dtype).reshape(sequences, heads, n, hd)
 
 
 def dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous copy of ``x`` in ``dtype`` (a product's dense operand)."""
-    return x.to(dtype).contiguous()
+    """``x`` in ``dtype`` as a product's operand: a slice of an fp32 cache as it is (fp32 batched
+    products read the strided slice at two thirds of the cost of a copy and its product, same
+    bits: measured), anything else as a contiguous copy (a bf16 product copies a strided operand
+    itself, at twice the cost)."""
+    return x if x.dtype == dtype == torch.float32 else x.to(dtype).contiguous()

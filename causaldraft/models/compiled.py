@@ -43,7 +43,6 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models import blocked, int4_kernel, native, quant
 from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
-from causaldraft.models.products import product_dtype
 from causaldraft.paths import causaldraft_home
 
 COMPILED_FORMAT = 2
@@ -326,8 +325,8 @@ class GraphStore:
         shape = model.llama_shape
         length = KEY_BLOCK + 6  # a head of one block: its length (the layout's span) is dynamic
         size = (sequences, shape.kv_heads, 5 * KEY_BLOCK + bucket, shape.head_dim)
-        keys = [torch.zeros(size, dtype=model.dtype) for _ in range(shape.num_layers)]
-        values = [torch.zeros(size, dtype=model.dtype) for _ in range(shape.num_layers)]
+        keys = [torch.zeros(size, dtype=model.cache_dtype) for _ in range(shape.num_layers)]
+        values = [torch.zeros(size, dtype=model.cache_dtype) for _ in range(shape.num_layers)]
         mask = torch.ones(bucket, length + bucket, dtype=torch.bool).tril(length)
         positions = torch.arange(length, length + bucket)
         one = sequence_keys(mask, positions, length, bucket)
@@ -344,7 +343,6 @@ class GraphStore:
         dynamic = ({name: None for name in weights}, None, None, None, {2: span}, None,
                    [{2: capacity}] * len(keys), [{2: capacity}] * len(values))  # fmt: skip
         options = {**INDUCTOR_OPTIONS, "freezing": bool(self.key.weights)}
-        product_dtype(model.dtype)  # its one-time CPU check runs now: export's tracer cannot run it
         with torch.no_grad(), tempfile.TemporaryDirectory(dir=self.directory) as work:  # freezing needs no_grad
             exported = torch.export.export(
                 _Body(model, self.key.aux_layers), (weights, *args), dynamic_shapes=dynamic, strict=False

@@ -31,7 +31,7 @@ from causaldraft.models.blocked import (
     sequence_keys,
     stack_keys,
 )
-from causaldraft.models.products import at_least_rows
+from causaldraft.models.products import at_least_rows, product_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
@@ -168,8 +168,9 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         sequence = torch.arange(sequences).view(sequences, 1)
-        keys_buffer[sequence, :, slots] = k.transpose(1, 2)  # [S, n, kvh, hd] at (sequence, :, slot)
-        values_buffer[sequence, :, slots] = v.transpose(1, 2)
+        # [S, n, kvh, hd] at (sequence, :, slot), in the cache's dtype (NativeLlama.cache_dtype)
+        keys_buffer[sequence, :, slots] = k.transpose(1, 2).to(keys_buffer.dtype)
+        values_buffer[sequence, :, slots] = v.transpose(1, 2).to(values_buffer.dtype)
         if isinstance(keyspec, BlockedKeys):
             out = attend_blocked(q, keys_buffer, values_buffer, keyspec)  # [S, nh, n, hd]
         else:
@@ -198,6 +199,8 @@ def attend(
     heads, n, hd = q.shape
     kv_heads, span, _ = keys.shape
     group = heads // kv_heads
+    if keys.dtype != q.dtype:  # a cache held in the dtype products run in: multiply in it
+        return attend(q.to(keys.dtype), keys, values, mask).to(q.dtype)
     if n > LARGE_QUERY_COUNT:
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
@@ -269,6 +272,13 @@ class NativeLlama(nn.Module):
     @property
     def dtype(self) -> torch.dtype:  # type: ignore[override]
         return self.norm.weight.dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: the one attention multiplies in (``products.product_dtype``), so
+        that its products read the cache as it is: fp32 for a bf16 model where bf16 products are not
+        native (the keys and values are bf16 numbers, held exactly)."""
+        return product_dtype(self.dtype)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype) -> NativeLlama:
@@ -364,7 +374,7 @@ class NativeLlama(nn.Module):
         # a pass reads the key block [T, T + KEY_BLOCK + rows) and compiled passes write a padded
         # bucket's rows past the real ones: room for both beyond max_len
         capacity = max_len + KEY_BLOCK + max(self.buckets, default=LARGE_QUERY_COUNT)
-        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.dtype, capacity=capacity)
+        return KVCache(s.num_layers, s.kv_heads, s.head_dim, max_len, self.cache_dtype, capacity=capacity)
 
     def pass_room(self, length: int) -> int:
         """Positions a pass over ``length`` committed entries may reach and stay row-invariant."""
@@ -374,7 +384,7 @@ class NativeLlama(nn.Module):
         """Caches for ``size`` concurrent sequences of up to ``max_len`` entries (``forward_batch``)."""
         s = self.llama_shape
         capacity = max_len + KEY_BLOCK + max((*self.buckets, *self.batch_graphs), default=LARGE_QUERY_COUNT)
-        return CachePool(size, s.num_layers, s.kv_heads, s.head_dim, max_len, capacity, self.dtype)
+        return CachePool(size, s.num_layers, s.kv_heads, s.head_dim, max_len, capacity, self.cache_dtype)
 
     @property
     def batch_rows(self) -> int:

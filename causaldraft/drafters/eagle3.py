@@ -217,5 +217,5 @@ def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-un
         raise CausalDraftError(f"eagle3 aux layers {layer.config.aux_layers} exceed the target's {shape.num_layers}")
     quantized = target.backend.quantized
     layer = layer.cast(torch.bfloat16 if quantized else target.backend.dtype)
-    packed = pack_linears(layer)  # bf16: every product through oneDNN's reordered weights
+    packed = pack_linears(layer)  # bf16: DraftLinear products (int8, oneDNN reordered weights)
     return Eagle3Drafter(layer, target.backend, options.lookup_merge, int8=quantized and not packed)

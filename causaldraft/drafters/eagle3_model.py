@@ -30,7 +30,7 @@ from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import RMSNorm, apply_rope, attend
-from causaldraft.models.packed import DraftLinear, packed_available
+from causaldraft.models.packed import DraftLinear
 
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "eagle3.safetensors"
@@ -177,7 +177,7 @@ def pack_linears(layer: Eagle3Layer) -> bool:
     reordered once for more, instead of reordered at every call as a bf16 ``F.linear`` does: a
     drafting level ~2x faster, measured); False (nothing changed) where that is not possible. For
     drafting only: a draft need not be bit-exact (the target's verify pass decides the output)."""
-    if layer.dtype != torch.bfloat16 or not packed_available():
+    if layer.dtype != torch.bfloat16:
         return False
     for name in LINEARS:
         linear = getattr(layer, name)

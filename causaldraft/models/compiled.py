@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models import blocked, int4_kernel, native, quant
+from causaldraft.models import blocked, int4_kernel, native, products, quant
 from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
@@ -110,7 +110,7 @@ def code_digest() -> str:
     """The code of the modules the graph is traced from: their syntax trees without docstrings, so
     formatting, comments and documentation do not count."""
     digest = hashlib.sha256()
-    for module in (native, blocked, quant, sys.modules[__name__]):
+    for module in (native, blocked, products, quant, sys.modules[__name__]):
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
     for source in int4_kernel.SOURCES:  # the graphs call its operator: a new kernel, new calibrations
         digest.update(source.read_bytes())

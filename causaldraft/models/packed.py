@@ -127,18 +127,25 @@ INT8_MAX_ROWS = 2
 
 class DraftLinear(nn.Module):
     """A drafting product: int8 per output row for calls of at most INT8_MAX_ROWS rows, oneDNN's
-    packed bf16 above. Drafts need not be bit-exact (the verify pass decides the output), so the
-    two paths may round differently."""
+    packed bf16 above. Where oneDNN takes no bf16 weights (``packed_available``: AVX2 CPUs, whose
+    bf16 ``F.linear`` is a generic kernel, ~3 ms a row for a 49152 x 576 head), int8 serves every
+    call (fp32 for a weight int8 cannot hold: in_features not a multiple of INT8_IN_MULTIPLE).
+    Drafts need not be bit-exact (the verify pass decides the output), so the paths may round
+    differently."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         """``weight`` [out, in] bfloat16 (a parameter stays registered, where others read it)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
-        packed = pack(weight, MIN_ROWS_PER_CALL)
-        self.packed = PackedLinear(packed, (self.out_features, self.in_features), None)
         quantizable = self.in_features % INT8_IN_MULTIPLE == 0
         self.int8 = Int8Linear(quantize_int8(weight.detach()), None) if quantizable else None
+        self.packed: PackedLinear | None = None
+        self.float32: torch.Tensor | None = None
+        if packed_available():
+            self.packed = PackedLinear(pack(weight, MIN_ROWS_PER_CALL), (self.out_features, self.in_features), None)
+        elif self.int8 is None:
+            self.float32 = weight.detach().float()
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -152,9 +159,12 @@ class DraftLinear(nn.Module):
                 self(torch.zeros(rows, self.in_features, dtype=self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and x.numel() <= INT8_MAX_ROWS * self.in_features:
+        if self.packed is not None and (self.int8 is None or x.numel() > INT8_MAX_ROWS * self.in_features):
+            return self.packed(x)
+        if self.int8 is not None:
             return self.int8(x)
-        return self.packed(x)
+        assert self.float32 is not None
+        return F.linear(x.float(), self.float32).to(x.dtype)
 
 
 def packed_head(weight: nn.Parameter) -> PackedLinear | None:

@@ -35,7 +35,8 @@ from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
-from causaldraft.models.packed import INT8_MAX_ROWS, DraftLinear, packed_available
+from causaldraft.models.packed import INT8_MAX_ROWS, DraftLinear
+from causaldraft.models.products import native_bf16_products
 from causaldraft.train.calibration import SAMPLING_SCALES, SCORE_TEMPERATURES
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
@@ -389,7 +390,7 @@ def test_packed_layer_drafts_what_the_plain_layer_drafts(tiny: LoadedModel) -> N
                 out = layer.step(embeds, layer.fc(features), positions, mask, keys, values, slots)
                 outs.append(layer.logits(out).float())
         # int8 weights round each product to 1/254 of its row's largest weight; packed bf16 only reorders
-        tolerance = 6e-2 if rows <= INT8_MAX_ROWS or not packed_available() else 2e-2
+        tolerance = 6e-2 if rows <= INT8_MAX_ROWS or not native_bf16_products() else 2e-2
         torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=tolerance)
         top = outs[0].topk(2, dim=-1).values
         clear = top[:, 0] - top[:, 1] > 2 * tolerance  # no near-tie: the same draft

@@ -25,7 +25,8 @@ from causaldraft.drafters.heads import (
 from causaldraft.drafters.registry import DrafterOptions, auto_choice
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
-from causaldraft.models.packed import DraftLinear, packed_available
+from causaldraft.models.packed import DraftLinear
+from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import Int8Linear
 from causaldraft.tree import Tree
 
@@ -182,7 +183,7 @@ def test_int8_drafting_agrees_with_bf16_drafting(tiny: LoadedModel, tmp_path: Pa
     out_weight = markov.out_weight.to(torch.bfloat16)
     bf16.project = lambda x: x @ out_weight.t()
     int8 = HeadsDrafter(markov, tiny.backend, lookup_merge=False, int8=True)
-    assert isinstance(int8.project, DraftLinear if packed_available() else Int8Linear)
+    assert isinstance(int8.project, DraftLinear if native_bf16_products() else Int8Linear)
     same = 0
     for seed in range(20):
         hidden = torch.randn(tiny.backend.shape.hidden_size, generator=torch.Generator().manual_seed(seed))

@@ -18,16 +18,16 @@ from causaldraft.models.packed import (
     PackedLinear,
     is_linear,
     pack,
-    packed_available,
     packed_head,
     packed_product,
     padded_product,
     prefill_model,
     rows_agree,
 )
+from causaldraft.models.products import native_bf16_products
 
 needs_packing = pytest.mark.skipif(
-    not packed_available(), reason="oneDNN is missing or takes no bf16 weights on this CPU"
+    not native_bf16_products(), reason="oneDNN is missing or takes no bf16 weights on this CPU"
 )
 
 
@@ -114,7 +114,7 @@ def test_quantized_models_read_prompts_with_a_twin(models: dict[str, LoadedModel
     assert isinstance(model, NativeLlama) and isinstance(twin, NativeLlama)
     assert twin.embed_tokens is model.embed_tokens and twin.lm_head is model.lm_head and twin.norm is model.norm
     assert twin.layers[0].input_layernorm is model.layers[0].input_layernorm
-    twin_linear = PackedLinear if packed_available() else Float32Linear
+    twin_linear = PackedLinear if native_bf16_products() else Float32Linear
     assert isinstance(twin.layers[0].mlp.down_proj, twin_linear) and not twin.graphs
     count = 96  # from FLOAT32_MIN_ROWS rows the fp32 twin uses its own weights
     tokens = torch.randint(3, 200, (count,), generator=torch.Generator().manual_seed(4))

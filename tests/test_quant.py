@@ -16,7 +16,8 @@ from causaldraft.api import load
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.gguf_q4 import q4_1_blocks_to_int4, read_q4_1_weights, unpermute_order
 from causaldraft.models.native import NativeLlama
-from causaldraft.models.packed import PackedLinear, packed_available
+from causaldraft.models.packed import PackedLinear
+from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import (
     Int4Linear,
     Int4Weights,
@@ -229,7 +230,7 @@ def test_quantized_forward_agrees_with_fp32(quant_llama_dir: Path, dtype: str) -
     linear_type = Int8Linear if dtype == "int8" else Int4Linear
     assert isinstance(model.layers[0].mlp.down_proj, linear_type)
     # the checkpoint's head in bf16 through oneDNN (models/packed.py) where the CPU takes bf16 there, else int8
-    assert isinstance(model.lm_head, PackedLinear if packed_available() else Int8Linear)
+    assert isinstance(model.lm_head, PackedLinear if native_bf16_products() else Int8Linear)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     logits = full_logits(model, tokens)  # [48, vocab]
     max_error, max_kl, min_agreement = TOLERANCE[dtype]

@@ -36,7 +36,8 @@ from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
-from causaldraft.models.packed import DraftLinear, packed_available
+from causaldraft.models.packed import DraftLinear
+from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import Int8Linear, quantize_int8
 from causaldraft.tree import Candidates, Tree, build_tree
 
@@ -188,7 +189,7 @@ def draft_projection(heads: DraftHeads, int8: bool) -> Callable[[torch.Tensor], 
     tree level: memory-bound): a DraftLinear where oneDNN is available (int8 for one or two rows,
     the reordered weight above); without it, int8 per row for quantized targets, else bf16."""
     out_weight = heads.out_weight.to(torch.bfloat16)  # [V', hidden]
-    if packed_available():
+    if native_bf16_products():
         return DraftLinear(out_weight)
     if int8:
         return Int8Linear(quantize_int8(heads.out_weight), None)

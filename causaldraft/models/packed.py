@@ -45,13 +45,6 @@ CHECKED_ROW_COUNTS = (4, 5, 8, 16, 17, 31, 32)  # call sizes compared row for ro
 CHECK_SEED = 0
 
 
-def packed_available() -> bool:
-    """Whether oneDNN takes bf16 weights on this CPU: it needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT,
-    and refuses to reorder a bf16 weight elsewhere (an AVX2-only CPU such as AMD Zen 3). Where it
-    does not, heads and layers keep their plain or int8 products."""
-    return native_bf16_products()
-
-
 def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     """The weight [out, in] reordered for oneDNN's linear (an opaque tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
@@ -127,7 +120,7 @@ INT8_MAX_ROWS = 2
 
 class DraftLinear(nn.Module):
     """A drafting product: int8 per output row for calls of at most INT8_MAX_ROWS rows, oneDNN's
-    packed bf16 above. Where oneDNN takes no bf16 weights (``packed_available``: AVX2 CPUs, whose
+    packed bf16 above. Where oneDNN takes no bf16 weights (``products.native_bf16_products``: AVX2 CPUs, whose
     bf16 ``F.linear`` is a generic kernel, ~3 ms a row for a 49152 x 576 head), int8 serves every
     call (fp32 for a weight int8 cannot hold: in_features not a multiple of INT8_IN_MULTIPLE).
     Drafts need not be bit-exact (the verify pass decides the output), so the paths may round
@@ -142,7 +135,7 @@ class DraftLinear(nn.Module):
         self.int8 = Int8Linear(quantize_int8(weight.detach()), None) if quantizable else None
         self.packed: PackedLinear | None = None
         self.float32: torch.Tensor | None = None
-        if packed_available():
+        if native_bf16_products():
             self.packed = PackedLinear(pack(weight, MIN_ROWS_PER_CALL), (self.out_features, self.in_features), None)
         elif self.int8 is None:
             self.float32 = weight.detach().float()
@@ -170,7 +163,7 @@ class DraftLinear(nn.Module):
 def packed_head(weight: nn.Parameter) -> PackedLinear | None:
     """A PackedLinear over ``weight`` [vocab, hidden] (bf16), or None where oneDNN is missing or
     its products are not row-invariant for this weight."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not packed_available():
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not native_bf16_products():
         return None
     packed = pack(weight, MAX_ROWS_PER_CALL)
     if not rows_agree(packed, weight.shape[1], weight.dtype):
@@ -246,7 +239,7 @@ def prefill_model(
     ]
     if not torch.backends.mkldnn.is_available():
         return None
-    packed = packed_available()
+    packed = native_bf16_products()
     element_bytes = 2 if packed else 4
     if sum(module.out_features * module.in_features * element_bytes for _, module in linears) > max_bytes:
         return None

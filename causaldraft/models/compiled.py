@@ -54,7 +54,10 @@ INDUCTOR_OPTIONS = {"cpp.threads": 1, "emulate_precision_casts": True}
 FROZEN_DTYPES = (torch.bfloat16,)  # oneDNN's reordered bf16 products agree row for row (models/packed.py)
 MAX_FROZEN_BYTES = 512 << 20  # layer weights frozen into every package up to this size
 INPUT_WEIGHTS = ("embed_tokens.weight",)  # stays an input when the layers are frozen (a lookup, no product)
-SECONDS_PER_BUCKET = 75.0  # first-build estimate per bucket for the default model on 2 cores
+# first-build estimate per bucket for the default model on 2 cores: AVX-512 machines took ~75 s, an
+# AVX2 Zen 3 ~155 s (int4: 12 min 54 s for 5 buckets); the message gives the range
+SECONDS_PER_BUCKET = 75.0
+SLOW_CPU_FACTOR = 2.1
 SECONDS_PER_FROZEN_BUCKET = 150.0  # the same with its weights frozen in (bf16)
 Runner = Callable[..., Any]
 
@@ -368,7 +371,8 @@ class GraphStore:
         if missing:
             per_bucket = SECONDS_PER_FROZEN_BUCKET if self.key.weights else SECONDS_PER_BUCKET
             seconds = len(missing) * per_bucket * max(0.3, model.llama_shape.num_layers / 30)
-            estimate = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+            slow = seconds * SLOW_CPU_FACTOR
+            estimate = f"{seconds / 60:.0f}-{slow / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f}-{slow:.0f} s"
             what = "graphs" if sequences == 1 else f"graphs for batches of {sequences} sequences"
             print(f"causaldraft: compiling {len(missing)} {what} for this model, dtype and CPU, once "
                   f"(about {estimate}; later starts load them from {self.directory})", file=sys.stderr)  # fmt: skip

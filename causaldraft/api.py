@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from causaldraft.adapt import (
     AdaptState,
     BudgetPolicy,
@@ -27,6 +29,7 @@ from causaldraft.models.base import Backend, Cache
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import make_generator
+from causaldraft.threads import ThreadPolicy, step_on, threads_agree
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Engine:
     decoder: Decoder
     drafter_name: str
     adapt: AdaptState
+    threads: ThreadPolicy  # each step's thread count (carries over between requests, as ``adapt``)
 
     @property
     def compiled(self) -> bool:
@@ -109,29 +113,33 @@ class Engine:
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         prompt_ids = self.encode(prompt, chat)
         generator = None if sampling.greedy else make_generator(seed)
-        started = time.perf_counter()
-        state = prefill(decoder, prompt_ids, max_new_tokens, generator, cache)
-        gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel"
-        if gumbel and decoder.decode.acceptance == "lossless":
-            state.noise_seed = seed if seed is not None else random.getrandbits(63)
+        gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel" and decoder.decode.acceptance == "lossless"
         # Greedy and Gumbel-sampled output does not depend on the tree, so those requests use the
         # engine's measured cost model. A seeded request under rejection sampling adapts from a
         # fresh state without timing-based decisions, so the same seed gives the same tokens (tree
-        # shapes, and so random draws, never depend on the clock).
-        seeded = seed is not None and not sampling.greedy and state.noise_seed is None
+        # shapes, and so random draws, never depend on the clock; nor its drafter's numbers on the
+        # thread count).
+        seeded = seed is not None and not sampling.greedy and not gumbel
+        threads = None if seeded else self.threads
+        started = time.perf_counter()
+        with step_on(threads):
+            state = prefill(decoder, prompt_ids, max_new_tokens, generator, cache)
+        if gumbel:
+            state.noise_seed = seed if seed is not None else random.getrandbits(63)
         adapt = initial_adapt_state(decoder.tree, timed=False) if seeded else self.adapt
         if decoder is not self.decoder:
             adapt = copy.deepcopy(adapt)  # a batched stream adapts on its own
         policy = BudgetPolicy(decoder.tree, decoder.decode, decoder.cost, adapt)
         return RequestRun(decoder, state, policy, sampling, max_new_tokens, TextTracker(self.tokenizer, stops),
-                          len(prompt_ids), started)  # fmt: skip
+                          len(prompt_ids), started, threads)  # fmt: skip
 
     def events(self, prompt: str | Sequence[int], **options: Any) -> Iterator[StreamPiece | Completion]:
         """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
         the request is left on the engine (its adaptation state carries over, by design). Options:
         those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat)."""
         run = self.start(prompt, **options)
-        for emitted in decode_steps(run.decoder, run.state, run.policy, run.sampling, run.max_new_tokens):
+        steps = decode_steps(run.decoder, run.state, run.policy, run.sampling, run.max_new_tokens, run.threads)
+        for emitted in steps:
             yield from run.absorb(emitted)
             if run.text.stopped:
                 break
@@ -173,6 +181,8 @@ class RequestRun:
     text: TextTracker
     prompt_tokens: int
     started: float
+    threads: ThreadPolicy | None  # the engine's, or None: torch's count (a seeded request, whose drafter's
+    # numbers, and so its random draws, must not depend on the machine's load)
     kept_tokens: int = 0
 
     @property
@@ -316,4 +326,7 @@ def load(
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
     decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, frozenset(eos), target.prefill)
-    return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config))
+    full = torch.get_num_threads()
+    adapt_threads = config.adapt_threads and full > 1 and threads_agree(target.backend, full)
+    threads = ThreadPolicy(full, VerifyCost(dict(cost.seconds), buckets=cost.buckets), enabled=adapt_threads)
+    return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config), threads)

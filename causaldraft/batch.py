@@ -41,6 +41,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import ForwardOutput
 from causaldraft.models.compiled import compile_batch
 from causaldraft.models.native import NativeLlama, SequencePass
+from causaldraft.threads import step_on
 
 Event = StreamPiece | Completion
 
@@ -88,6 +89,7 @@ class Batch:
         self.size = size
         self.streams: list[Stream] = []
         self.cost = cost or (batch_cost(engine, size) if self.backend else engine.decoder.cost)
+        self.baseline = VerifyCost(dict(self.cost.seconds), buckets=self.cost.buckets)  # as measured, for threads
         self.next_ident = 0
         self.last_step: StepReport | None = None
         self.largest_step = 0  # the most streams one pass has served
@@ -134,6 +136,20 @@ class Batch:
         live = [stream for stream in self.streams if not stream.done]
         if not live:
             return []
+        # the engine's thread policy, unless a seeded stream needs numbers independent of the load
+        timed = all(stream.run.policy.state.timed for stream in live)
+        threads = self.engine.threads if timed else None
+        with step_on(threads):
+            finished = self.advance(live)
+        report = self.last_step
+        if threads is not None and report is not None:
+            shared = self.backend is not None and report.streams > 1
+            expected = self.baseline(report.rows) if shared else self.engine.threads.baseline(report.rows)
+            threads.observe(report.seconds, expected)
+        return finished
+
+    def advance(self, live: list[Stream]) -> list[Stream]:
+        """``step``'s work on the live streams: draft, one verify pass, accept, commit."""
         shared = self.backend is not None and len(live) > 1
         plain = shared and self.plain_steps_left > 0
         self.plain_steps_left -= int(plain)

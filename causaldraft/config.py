@@ -120,6 +120,7 @@ class EngineConfig:
     adapt: bool = True
     fallback: bool = True
     calibrate: bool = True
+    adapt_threads: bool = True  # one thread while other processes slow the passes (threads.py)
     draft_model: str | None = None
     draft_layers: int = 4
     heads: str | None = None
@@ -163,7 +164,7 @@ class EngineConfig:
             if value != unset:
                 parts += [flag, str(value)]
         for flag, enabled in (("--no-lookup-merge", self.lookup_merge), ("--no-adapt", self.adapt),
-                              ("--no-fallback", self.fallback)):  # fmt: skip
+                              ("--no-fallback", self.fallback), ("--fixed-threads", self.adapt_threads)):  # fmt: skip
             if not enabled:
                 parts.append(flag)
         return parts

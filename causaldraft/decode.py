@@ -19,6 +19,7 @@ from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache, ForwardOutput
 from causaldraft.sampling import gumbel_scores, warp_probs
+from causaldraft.threads import ThreadPolicy, step_on
 from causaldraft.tree import compile_tree, full_mask
 from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
 
@@ -225,17 +226,23 @@ def decode_steps(
     policy: BudgetPolicy,
     sampling: SamplingConfig,
     max_new_tokens: int,
+    threads: ThreadPolicy | None = None,
 ) -> Iterator[list[int]]:
     """Yield each step's emitted tokens, cut at EOS and max_new_tokens (EOS itself is emitted):
-    draft -> verify -> commit -> accept -> observe."""
+    draft -> verify -> commit -> accept -> observe. ``threads``: picks each step's thread count
+    from its verify time (None: torch's count is left alone)."""
     while not state.finished:
-        started = time.perf_counter()
-        draft = draft_step(decoder, state, policy, sampling)
-        drafted_at = time.perf_counter()
-        prefix_length = state.cache.length
-        acceptance, out = verify_step(decoder, state, draft, sampling)
-        timing = StepTiming(drafted_at - started, time.perf_counter() - drafted_at)
-        emitted = finish_step(decoder, state, policy, draft, prefix_length, acceptance, out, max_new_tokens, timing)
+        with step_on(threads):
+            started = time.perf_counter()
+            draft = draft_step(decoder, state, policy, sampling)
+            drafted_at = time.perf_counter()
+            prefix_length = state.cache.length
+            acceptance, out = verify_step(decoder, state, draft, sampling)
+            timing = StepTiming(drafted_at - started, time.perf_counter() - drafted_at)
+            emitted = finish_step(decoder, state, policy, draft, prefix_length, acceptance, out, max_new_tokens,
+                                  timing)  # fmt: skip
+        if threads is not None:
+            threads.observe_pass(draft.tree.size, timing.verify_s)
         if emitted:
             yield emitted
 

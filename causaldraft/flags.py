@@ -57,6 +57,9 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
     parser.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
     parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
+    parser.add_argument("--fixed-threads", action="store_true",
+                        help="keep torch's thread count (default: one thread while other processes slow "
+                        "the passes)")  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -66,7 +69,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         drafter=getattr(args, "drafter", "none"), tree=getattr(args, "tree", TreeConfig().kind),
         depth=args.depth, width=args.width, max_nodes=args.max_nodes, acceptance=args.acceptance,
         sampler=args.sampler, adapt=not args.no_adapt, fallback=not args.no_fallback, draft_model=args.draft_model,
-        draft_layers=args.draft_layers, heads=args.heads, lookup_merge=not args.no_lookup_merge,
+        adapt_threads=not args.fixed_threads, draft_layers=args.draft_layers, heads=args.heads,
+        lookup_merge=not args.no_lookup_merge,
     )  # fmt: skip
 
 

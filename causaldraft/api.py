@@ -327,6 +327,6 @@ def load(
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
     decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, frozenset(eos), target.prefill)
     full = torch.get_num_threads()
-    adapt_threads = config.adapt_threads and full > 1 and threads_agree(target.backend, full)
+    adapt_threads = config.adapt_threads and full > 1 and threads_agree(target.backend, full, target.prefill)
     threads = ThreadPolicy(full, VerifyCost(dict(cost.seconds), buckets=cost.buckets), enabled=adapt_threads)
     return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config), threads)

@@ -152,12 +152,16 @@ def ema(previous: float, value: float, keep: float) -> float:
     return keep * previous + (1 - keep) * value
 
 
-def threads_agree(backend: Backend, threads: int, rows: int = 3, context: int = 80) -> bool:
-    """Whether a pass of ``rows`` new tokens after a ``context``-token prompt (read as prompts are,
-    more than 64 tokens at once) gives the same logits, bit for bit, on ``threads`` threads and on
-    one (torch's count is restored)."""
+def threads_agree(
+    backend: Backend, threads: int, prompt_reader: Backend | None = None, rows: int = 3, context: int = 96
+) -> bool:
+    """Whether a pass of ``rows`` new tokens after a ``context``-token prompt gives the same logits,
+    bit for bit, on ``threads`` threads and on one (torch's count is restored). The prompt is read as
+    prompts are: by ``prompt_reader`` (a quantized model's prompt twin) or the backend, more than 64
+    tokens at once."""
     if threads <= 1:
         return True
+    reader = prompt_reader or backend
     saved = torch.get_num_threads()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, backend.shape.vocab_size, (context + rows,), generator=generator)
@@ -167,7 +171,7 @@ def threads_agree(backend: Backend, threads: int, rows: int = 3, context: int = 
         for count in (threads, 1):
             torch.set_num_threads(count)
             cache = backend.new_cache(context + rows)
-            backend.forward(tokens[:context], torch.arange(context), causal[:context, :context], cache)
+            reader.forward(tokens[:context], torch.arange(context), causal[:context, :context], cache)
             out = backend.forward(tokens[context:], torch.arange(context, context + rows), causal[context:], cache)
             logits.append(out.logits)
     finally:

@@ -31,7 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     bench.add_argument("--profile", action="store_true", help="also sweep the tree budget of tree methods")
     bench.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), help="budgets for --profile")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    threads = "torch CPU threads (default: torch's); 1 is far faster on an oversubscribed machine"
+    threads = "torch CPU threads (default: torch's); an engine drops to one while other processes slow it"
     bench.add_argument("--threads", type=int, default=None, help=threads)
     add_draft_options(bench)
     bench.set_defaults(func=run)

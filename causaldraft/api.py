@@ -29,7 +29,7 @@ from causaldraft.models.base import Backend, Cache
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import make_generator
-from causaldraft.threads import ThreadPolicy, step_on, threads_agree
+from causaldraft.threads import ThreadPolicy, step_on, thread_invariant
 
 
 @dataclass(frozen=True)
@@ -327,6 +327,6 @@ def load(
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
     decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, frozenset(eos), target.prefill)
     full = torch.get_num_threads()
-    adapt_threads = config.adapt_threads and full > 1 and threads_agree(target.backend, full, target.prefill)
+    adapt_threads = config.adapt_threads and thread_invariant(target.backend, full, target.prefill)
     threads = ThreadPolicy(full, VerifyCost(dict(cost.seconds), buckets=cost.buckets), enabled=adapt_threads)
     return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config), threads)

@@ -59,11 +59,14 @@ def run_compile(args: argparse.Namespace) -> int:
     """Build the compiled graphs ahead (``make setup`` runs this for the default model) and time
     verify passes for the default node budget, for drafters with and without target features (kept
     with the graphs; ``--recalibrate`` times them again)."""
+    import torch
+
     from causaldraft.api import compile_backend, verify_cost
     from causaldraft.models.compiled import GraphStore, compile_batch
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama, default_aux_layers
     from causaldraft.models.quant import int4_kernels
+    from causaldraft.threads import thread_invariant
 
     target = load_model(args.model, "native", args.dtype)
     backend = target.backend
@@ -77,13 +80,15 @@ def run_compile(args: argparse.Namespace) -> int:
         seconds[str(list(aux_layers))] = {size: round(value * 1000, 2) for size, value in sorted(cost.seconds.items())}
     if args.batch > 1:  # the server's batch passes (``causaldraft serve --max-batch``)
         compile_batch(backend, args.batch)
+    threads = torch.get_num_threads()
+    invariant = thread_invariant(backend, threads, target.prefill, recheck=args.recalibrate)
     store = backend.graph_store
     directory = store.directory if isinstance(store, GraphStore) else ""
     kernels = int4_kernels(backend)
     print(json.dumps({"model": str(target.model_dir), "dtype": target.dtype, "buckets": list(backend.buckets),
                       "batch_buckets": list(backend.batch_graphs), "graphs": str(directory),
                       **({"int4_kernel": "+".join(kernels)} if kernels else {}),
-                      "verify_ms": seconds}))  # fmt: skip
+                      "verify_ms": seconds, "threads": threads, "thread_invariant": invariant}))  # fmt: skip
     return 0
 
 

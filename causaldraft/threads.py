@@ -152,6 +152,25 @@ def ema(previous: float, value: float, keep: float) -> float:
     return keep * previous + (1 - keep) * value
 
 
+def thread_invariant(
+    backend: Backend, threads: int, prompt_reader: Backend | None = None, recheck: bool = False
+) -> bool:
+    """``threads_agree``'s verdict, kept beside a compiled backend's graphs (keyed like its verify-cost
+    calibration: graphs, weights, code, CPU), so it is checked once (~1 s for the default model in int4 on
+    an AVX2 machine: the prompt is read in fp32), not at every load; ``recheck`` checks again."""
+    if threads <= 1:
+        return True
+    store = backend.calibration
+    name = f"threads_agree threads={threads}"
+    kept = store.read_calibration(name) if store is not None and not recheck else None
+    if kept is not None and threads in kept:
+        return kept[threads] == 1.0
+    agree = threads_agree(backend, threads, prompt_reader)
+    if store is not None:
+        store.write_calibration(name, {threads: float(agree)})
+    return agree
+
+
 def threads_agree(
     backend: Backend, threads: int, prompt_reader: Backend | None = None, rows: int = 3, context: int = 96
 ) -> bool:

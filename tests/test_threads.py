@@ -12,7 +12,17 @@ import torch
 
 import causaldraft
 from causaldraft.batch import generate_batch
-from causaldraft.threads import FIRST_INTERVAL, MAX_INTERVAL, MIN_GAP, PROBE_STEPS, ThreadPolicy, threads_agree
+from causaldraft.models.compiled import GraphStore, compile_model
+from causaldraft.threads import (
+    FIRST_INTERVAL,
+    MAX_INTERVAL,
+    MIN_GAP,
+    PROBE_STEPS,
+    ThreadPolicy,
+    thread_invariant,
+    threads_agree,
+)
+from tests.test_compiled import key_of, native
 
 QUIET = {2: 1.0, 1: 1.4}  # slowdown per thread count, as measured on a quiet 2-core machine
 LOADED = {2: 3.5, 1: 1.45}  # one busy process beside it (docs/threads.md)
@@ -134,3 +144,17 @@ def test_output_is_token_identical_when_the_thread_count_changes_between_steps(
     spec.threads = EveryOtherStep(2)
     batched = generate_batch(spec, prompts, size=2, max_new_tokens=40)
     assert [result.token_ids for result in batched] == expected and spec.threads.steps > 0
+
+
+def test_the_verdict_is_kept_beside_the_graphs(tiny_llama_dir: Path, graph_root: Path, two_threads: None) -> None:
+    backend = native(tiny_llama_dir, "int4")
+    compile_model(backend, buckets=(1, 4), store=GraphStore(key_of(backend), graph_root))
+    assert backend.graph_store is not None
+    assert thread_invariant(backend, 2)
+    name = "threads_agree threads=2"
+    assert backend.graph_store.read_calibration(name) == {2: 1.0}
+    backend.graph_store.write_calibration(name, {2: 0.0})  # as if a pass had differed
+    assert not thread_invariant(backend, 2)  # read, not checked again
+    assert thread_invariant(backend, 2, recheck=True)
+    assert backend.graph_store.read_calibration(name) == {2: 1.0}
+    assert thread_invariant(backend, 1)  # one thread: nothing to compare

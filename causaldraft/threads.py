@@ -21,8 +21,9 @@ Probes of all threads then come every 64, 128, ... steps until the machine is qu
 
 Exactness: the passes' results must not depend on the thread count. The int4 and int8 kernels
 split output blocks between threads and compute each the same way, and attention's products were
-checked to agree across thread counts (docs/exactness.md); ``threads_agree`` checks a real pass at
-load, and the policy stays off where the logits differ in any bit.
+checked to agree across thread counts (docs/exactness.md); ``threads_agree`` checks a real prompt
+and pass once per set of compiled graphs (``thread_invariant``), and the policy stays off where the
+logits differ in any bit.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ MIN_GAP = 8  # measured steps on a count before its slowdown can ask for an earl
 
 @dataclass
 class ThreadPolicy:
-    """Which thread count runs the next step (``before_step``), learned from every step's verify time
+    """Which thread count runs the next step (``step()``), learned from every step's verify time
     (``observe``). One per engine: its state carries over from request to request."""
 
     full: int  # torch's thread count at load

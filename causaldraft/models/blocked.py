@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from causaldraft.models import attention_kernel
 from causaldraft.models.products import at_least_rows, product_dtype, product_rows
 
 KEY_BLOCK = 64  # positions per key block; a multiple of every vector width the reductions use
@@ -153,7 +154,11 @@ def attend_blocked(
     layout: BlockedKeys,
 ) -> torch.Tensor:
     """Grouped-query attention of n rows per sequence in the blocked layout: [S, nh, n, hd]
-    (scores fp32). Sequences never see each other's keys."""
+    (scores fp32). Sequences never see each other's keys. An fp32 cache's attention runs in
+    ``attention_kernel`` where it is built (one task per row and head, the same arithmetic for any
+    row count); the rest of this function is the torch ops' version."""
+    if keys.dtype == torch.float32 and attention_kernel.available():
+        return attention_kernel.attend(q, keys, values, *layout.tensors()).to(q.dtype)
     sequences, heads, n, hd = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
     group = heads // kv_heads

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models import blocked, int4_kernel, native, products, quant
+from causaldraft.models import attention_kernel, blocked, int4_kernel, native, products, quant
 from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
@@ -117,6 +117,8 @@ def code_digest() -> str:
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
     for source in int4_kernel.SOURCES:  # the graphs call its operator: a new kernel, new calibrations
         digest.update(source.read_bytes())
+    # fp32 caches' attention: the kernel's source where the graphs call it, else torch's ops
+    digest.update(attention_kernel.SOURCE.read_bytes() if attention_kernel.available() else b"torch attention")
     return digest.hexdigest()[:16]
 
 

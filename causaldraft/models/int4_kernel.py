@@ -97,33 +97,39 @@ def cpu_supported() -> bool:
     return build_for_cpu() is not None
 
 
-def source_digest(build: Build) -> str:
-    digest = hashlib.sha256(build.source.read_bytes())
-    digest.update(" ".join(build.flags).encode())
+def source_digest(source: Path, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join(flags).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:16]
+
+
+def load_source(what: str, source: Path, flags: tuple[str, ...]) -> bool:
+    """Build ``source`` (once per machine, in ``$CAUSALDRAFT_HOME/kernels/<digest>``) and load its
+    operators into this process; False, with a message naming ``what`` falls back, when it fails."""
+    from torch.utils import cpp_extension
+
+    from causaldraft.models.quant import notify
+
+    digest = source_digest(source, flags)
+    directory = causaldraft_home() / "kernels" / digest
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"causaldraft_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(flags),
+            build_directory=str(directory), is_python_module=False, verbose=False,
+        )  # fmt: skip
+    except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel serves
+        notify(f"{what} kernel not built ({type(error).__name__}: {str(error).strip()[:200]}); using torch's")
+        return False
+    return True
 
 
 @functools.cache
 def available() -> bool:
     """Whether ``torch.ops.causaldraft.int4_mm`` is loaded (built first when needed); once per process."""
     build = build_for_cpu()
-    if build is None:
-        return False
-    from torch.utils import cpp_extension
-
-    from causaldraft.models.quant import notify
-
-    digest = source_digest(build)
-    directory = causaldraft_home() / "kernels" / digest
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"causaldraft_int4_{digest}", sources=[str(build.source)], extra_cflags=list(build.flags),
-            build_directory=str(directory), is_python_module=False, verbose=False,
-        )  # fmt: skip
-    except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel serves
-        notify(f"int4 kernel not built ({type(error).__name__}: {str(error).strip()[:200]}); using torch's")
+    if build is None or not load_source("int4", build.source, build.flags):
         return False
     torch.library.register_fake("causaldraft::int4_mm")(shape_of_product)
     if build.int8:

@@ -1,0 +1,129 @@
+"""The attention kernel for fp32 caches (causaldraft/models/kernels/attention.cpp): it computes
+attention over exactly the slots a row sees, and each row's result depends on nothing else: not
+the pass's other rows, the tree, the padding, the other sequences of a batch or the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from causaldraft.models import attention_kernel
+from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, SequenceKeys, blocked_keys, sequence_keys, stack_keys
+
+pytestmark = pytest.mark.skipif(not attention_kernel.available(), reason="needs AVX2 + FMA and a C++ compiler")
+
+KV_HEADS, HEADS, HEAD_DIM, CAPACITY = 2, 6, 64, 3 * KEY_BLOCK
+
+
+def cache(seed: int, sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(sequences, KV_HEADS, CAPACITY, HEAD_DIM, generator=generator)
+    values = torch.randn(sequences, KV_HEADS, CAPACITY, HEAD_DIM, generator=generator)
+    return keys, values
+
+
+def queries(seed: int, rows: int, sequences: int = 1) -> torch.Tensor:
+    return torch.randn(sequences, HEADS, rows, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def tree_layout(length: int, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft tree's mask [n, length + n] and positions [n] over ``length`` committed slots."""
+    n = len(parents)
+    mask = torch.zeros(n, length + n, dtype=torch.bool)
+    mask[:, :length] = True
+    depths = []
+    for node, parent in enumerate(parents):
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, length + ancestor] = True
+            ancestor = parents[ancestor]
+    return mask, torch.tensor(depths) + length
+
+
+def layout_of(mask: torch.Tensor, positions: torch.Tensor, length: int, rows: int | None = None) -> BlockedKeys:
+    layout = blocked_keys(mask, positions, length, rows or mask.shape[0])
+    assert layout is not None
+    return layout
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention in float64 over the mask [n, span] (one sequence): [nh, n, hd]."""
+    group = HEADS // KV_HEADS
+    span = mask.shape[1]
+    k = keys[0, :, :span].double().repeat_interleave(group, dim=0)
+    v = values[0, :, :span].double().repeat_interleave(group, dim=0)
+    scores = (q[0].double() @ k.transpose(1, 2)) / HEAD_DIM**0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights @ v
+
+
+@pytest.mark.parametrize("length", [5, KEY_BLOCK - 3, KEY_BLOCK + 7, 2 * KEY_BLOCK + 1])
+def test_kernel_computes_attention_over_the_slots_each_row_sees(length: int) -> None:
+    keys, values = cache(length)
+    parents = [-1, 0, 0, 1, 2][: KEY_BLOCK - length % KEY_BLOCK]
+    mask, positions = tree_layout(length, parents)
+    q = queries(1, len(parents))
+    out = attention_kernel.attend(q, keys, values, *layout_of(mask, positions, length).tensors())
+    torch.testing.assert_close(out.double(), reference(q, keys, values, mask)[None], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_computes_the_same_bits_in_any_pass() -> None:
+    """A chain row in a tree among decoy siblings, padded to 16 rows, against the one-row pass at
+    its position once its ancestors are committed at consecutive slots."""
+    length = KEY_BLOCK + 9
+    keys, values = cache(3)
+    parents = [-1, 0, 0, 1, 1, 3, 3]  # chain 0 -> 1 -> 3 -> 5, decoys 2, 4, 6
+    chain = [0, 1, 3, 5]
+    mask, positions = tree_layout(length, parents)
+    q = queries(4, 16)  # rows past the tree's are padding
+    tree = attention_kernel.attend(q, keys, values, *layout_of(mask, positions, length, rows=16).tensors())
+    committed_keys, committed_values = keys.clone(), values.clone()
+    for depth, node in enumerate(chain):  # commit: the chain's entries move to consecutive slots
+        committed_keys[:, :, length + depth] = keys[:, :, length + node]
+        committed_values[:, :, length + depth] = values[:, :, length + node]
+    for depth, node in enumerate(chain):
+        one_mask = torch.ones(1, length + depth + 1, dtype=torch.bool)
+        one_layout = layout_of(one_mask, torch.tensor([length + depth]), length + depth)
+        one_row = attention_kernel.attend(
+            q[:, :, node : node + 1], committed_keys, committed_values, *one_layout.tensors()
+        )
+        assert torch.equal(tree[:, :, node], one_row[:, :, 0]), (node, depth)
+
+
+def test_a_sequence_computes_the_same_bits_alone_and_batched() -> None:
+    """Two sequences of different lengths in one pass (the shorter one's head padded) against each
+    alone, and on one thread against all threads."""
+    keys, values = cache(5, sequences=2)
+    lengths = (KEY_BLOCK + 3, 2 * KEY_BLOCK + 10)
+    parents = [-1, 0, 0]
+    q = queries(6, len(parents), sequences=2)
+    own: list[SequenceKeys] = []
+    alone = []
+    for index, length in enumerate(lengths):
+        mask, positions = tree_layout(length, parents)
+        keys_of = sequence_keys(mask, positions, length, len(parents))
+        assert keys_of is not None
+        own.append(keys_of)
+        layout = stack_keys([keys_of])
+        alone.append(attention_kernel.attend(q[index : index + 1], keys[index : index + 1],
+                                             values[index : index + 1], *layout.tensors()))  # fmt: skip
+    batched = stack_keys(own)
+    assert batched.head == 2 * KEY_BLOCK
+    together = attention_kernel.attend(q, keys, values, *batched.tensors())
+    assert torch.equal(together, torch.cat(alone))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = attention_kernel.attend(q, keys, values, *batched.tensors())
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
+
+
+def test_kernel_refuses_a_layout_that_does_not_fit() -> None:
+    keys, values = cache(7)
+    mask, positions = tree_layout(10, [-1, 0])
+    layout = layout_of(mask, positions, 10)
+    with pytest.raises(RuntimeError, match="layout does not fit"):
+        attention_kernel.attend(queries(8, 3), keys, values, *layout.tensors())

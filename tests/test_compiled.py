@@ -19,6 +19,7 @@ from causaldraft.models import compiled
 from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, frozen_weights
 from causaldraft.models.loading import load_model, resolve_dtype
 from causaldraft.models.native import NativeLlama, default_aux_layers
+from causaldraft.models.quant import Bf16BlockLinear
 
 
 def native(directory: Path, dtype: str = "float32") -> NativeLlama:
@@ -53,8 +54,9 @@ def test_bf16_packages_hold_their_weights_and_their_key_covers_the_values(
     assert frozen_weights(bf16) and key_of(bf16).weights
     assert key_of(native(tiny_llama_dir, "bfloat16")) == key_of(bf16)  # same values: same packages
     other = native(tiny_llama_dir, "bfloat16")
-    with torch.no_grad():
-        other.layers[0].mlp.down_proj.weight[0, 0] += 1
+    down = other.layers[0].mlp.down_proj
+    with torch.no_grad():  # its weight: a parameter, or records of causaldraft's bf16 kernel (AVX2)
+        (down.packed[0, 0] if isinstance(down, Bf16BlockLinear) else down.weight[0])[0] += 1
     assert key_of(other).weights != key_of(bf16).weights
     assert key_of(other).architecture == key_of(bf16).architecture
     for dtype in ("float32", "int8", "int4"):

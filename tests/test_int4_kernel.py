@@ -16,15 +16,24 @@ import pytest
 import torch
 
 from causaldraft.models import int4_kernel
-from causaldraft.models.quant import Int4Linear, Int4Weights, Int8Linear, dequantize_int4, quantize_int4, quantize_int8
+from causaldraft.models.quant import (
+    Bf16BlockLinear,
+    Int4Linear,
+    Int4Weights,
+    Int8Linear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+    use_block_linears,
+)
 
 needs_kernel = pytest.mark.skipif(
     not int4_kernel.cpu_supported() or shutil.which("c++") is None, reason="no AVX-512 bf16 or AVX2, or no compiler"
 )
-KERNEL_TESTS = "products or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for or int8"
+KERNEL_TESTS = "products or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for or int8 or bf16"
 needs_int8 = pytest.mark.skipif(
-    not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().int8) or shutil.which("c++") is None,  # type: ignore[union-attr]
-    reason="the int8 product is the AVX2 build's",
+    not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().wide) or shutil.which("c++") is None,  # type: ignore[union-attr]
+    reason="the int8 and bf16 products are the AVX2 build's",
 )
 
 
@@ -194,7 +203,7 @@ def test_int8_records_and_products() -> None:
     linear = Int8Linear(quantized, None)
     assert linear.kernel == "blocks" and linear.qweight.shape == (3, 96, 16)
     assert torch.equal(linear.qweight[1, 5], quantized.values[16:32, 5])
-    assert torch.equal(int4_kernel.unpack_int8(linear.qweight), quantized.values)
+    assert torch.equal(int4_kernel.unpack_channels(linear.qweight), quantized.values)
     x = torch.randn(5, 96, generator=generator).to(torch.bfloat16)
     weight = quantized.values.double() * quantized.scales.to(torch.bfloat16).double()[:, None]
     exact = x.double() @ weight.t()
@@ -221,11 +230,57 @@ def test_int8_rows_are_computed_as_if_alone_on_any_thread_count() -> None:
 
 @needs_int8
 def test_int8_bad_operands_are_refused_by_the_kernel() -> None:
-    packed = int4_kernel.pack_int8(torch.zeros(16, 64, dtype=torch.int8))
+    packed = int4_kernel.pack_channels(torch.zeros(16, 64, dtype=torch.int8))
     scales = torch.ones(16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="packed does not fit x"):
         int4_kernel.int8_product(torch.zeros(2, 32, dtype=torch.bfloat16), packed, scales)
     with pytest.raises(RuntimeError, match="scales"):
         int4_kernel.int8_product(torch.zeros(2, 64, dtype=torch.bfloat16), packed, scales[:8])
     with pytest.raises(ValueError, match="out % 16"):
-        int4_kernel.pack_int8(torch.zeros(8, 64, dtype=torch.int8))
+        int4_kernel.pack_channels(torch.zeros(8, 64, dtype=torch.int8))
+
+
+@needs_int8
+def test_bf16_block_linear_products_rows_and_threads() -> None:
+    """The AVX2 build's bf16 product: within bf16 rounding of the float64 product (bias added after),
+    the weight read back is the one given, and each row computes the same bits alone, in pairs, in
+    threes and on any thread count."""
+    generator = torch.Generator().manual_seed(14)
+    weight = (torch.randn(48, 96, generator=generator) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(48, generator=generator).to(torch.bfloat16)
+    linear = Bf16BlockLinear(weight, bias)
+    assert linear.packed.shape == (3, 96, 16) and torch.equal(linear.weight, weight)
+    x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
+    products = (linear(x) - bias).double()  # the bias is added in bf16 after the product's rounding
+    exact = x.double() @ weight.double().t()
+    bound = (exact.abs() + bias.double().abs()) * 2**-7 + 1e-5 * (x.double().abs() @ weight.double().abs().t())
+    assert ((products - exact).abs() <= bound).all()
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(7)])
+    for start, stop in [(0, 7), (0, 2), (1, 4), (3, 7), (0, 5), (6, 7)]:
+        assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    narrow = Bf16BlockLinear(weight[:40], bias[:40])  # padded to 48 channels, cut back to 40
+    assert torch.equal(narrow.weight, weight[:40]) and torch.equal(narrow(x), linear(x)[:, :40])
+    with pytest.raises(RuntimeError, match="packed does not fit x"):
+        int4_kernel.bf16_product(torch.zeros(2, 32, dtype=torch.bfloat16), linear.packed)
+
+
+@needs_int8
+def test_bf16_models_use_the_block_kernel_where_bf16_products_are_not_native(tiny_llama_dir: Path) -> None:
+    from causaldraft.models.loading import load_model
+    from causaldraft.models.native import NativeLlama
+    from causaldraft.models.products import native_bf16_products
+
+    backend = load_model(str(tiny_llama_dir), "native", "bfloat16").backend
+    assert isinstance(backend, NativeLlama)
+    blocks = [module for module in backend.modules() if isinstance(module, Bf16BlockLinear)]
+    if native_bf16_products():
+        assert not blocks  # oneDNN's bf16 products (the packed LM head) serve there
+        return
+    assert len(blocks) == 4 * backend.llama_shape.num_layers + 1  # qkv, o, gate_up, down; the LM head
+    assert not use_block_linears(backend)  # nothing left to replace

@@ -51,7 +51,7 @@ class Build:
     source: Path
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
-    int8: bool = False  # also defines ``causaldraft::int8_mm``
+    wide: bool = False  # also defines ``causaldraft::int8_mm`` and ``causaldraft::bf16_mm``
 
 
 # In order of preference. Both read the same records and compute the same exact terms; their sums
@@ -62,7 +62,7 @@ BUILDS = (
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     ),
-    Build("avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"), int8=True),
+    Build("avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"), wide=True),
 )  # fmt: skip
 SOURCES = tuple(build.source for build in BUILDS)
 BLOCK = 16  # output channels per record
@@ -132,16 +132,18 @@ def available() -> bool:
     if build is None or not load_source("int4", build.source, build.flags):
         return False
     torch.library.register_fake("causaldraft::int4_mm")(shape_of_product)
-    if build.int8:
+    if build.wide:
         torch.library.register_fake("causaldraft::int8_mm")(shape_of_int8_product)
+        torch.library.register_fake("causaldraft::bf16_mm")(shape_of_bf16_product)
     return True
 
 
-def int8_available() -> bool:
-    """Whether ``torch.ops.causaldraft.int8_mm`` is loaded: the AVX2 build's int8 product (where
-    oneDNN takes no bf16 weights, quantized models' LM heads are int8)."""
+def wide_available() -> bool:
+    """Whether ``torch.ops.causaldraft.int8_mm`` and ``bf16_mm`` are loaded: the AVX2 build's int8
+    and bf16 products over per-channel records (where oneDNN takes no bf16 weights: quantized
+    models' LM heads are int8, bf16 models' linears run through ``bf16_mm``)."""
     build = build_for_cpu()
-    return build is not None and build.int8 and available()
+    return build is not None and build.wide and available()
 
 
 def shape_of_int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -149,16 +151,22 @@ def shape_of_int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
     return x.new_empty((x.shape[0], packed.shape[0] * BLOCK))
 
 
-def pack_int8(values: torch.Tensor) -> torch.Tensor:
-    """int8 weights [out, in] -> ``int8_mm``'s records [out / 16, in, 16] (each input's 16 channels)."""
+def shape_of_bf16_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """What ``bf16_mm`` returns, for tracing: [rows, out] bf16."""
+    return x.new_empty((x.shape[0], packed.shape[0] * BLOCK))
+
+
+def pack_channels(values: torch.Tensor) -> torch.Tensor:
+    """int8 or bf16 weights [out, in] -> ``int8_mm``'s / ``bf16_mm``'s records [out / 16, in, 16]
+    (each input's 16 channels)."""
     out_features, in_features = values.shape
     if out_features % BLOCK or in_features % 2:
-        raise ValueError(f"int8 blocks need out % {BLOCK} == 0 and an even in, got {tuple(values.shape)}")
+        raise ValueError(f"channel blocks need out % {BLOCK} == 0 and an even in, got {tuple(values.shape)}")
     return values.reshape(out_features // BLOCK, BLOCK, in_features).permute(0, 2, 1).contiguous()
 
 
-def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
-    """``pack_int8``'s inverse: [out, in]."""
+def unpack_channels(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_channels``'s inverse: [out, in]."""
     blocks, in_features, _ = packed.shape
     return packed.permute(0, 2, 1).reshape(blocks * BLOCK, in_features)
 
@@ -166,6 +174,11 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 def int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[m, in] bf16 contiguous rows times int8 records with [out] bf16 scales: [m, out] bf16."""
     return torch.ops.causaldraft.int8_mm(x, packed, scales)
+
+
+def bf16_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """[m, in] bf16 contiguous rows times bf16 records: [m, out] bf16."""
+    return torch.ops.causaldraft.bf16_mm(x, packed)
 
 
 def shape_of_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
 from causaldraft.models.native import NativeLlama
 from causaldraft.models.packed import use_packed_head
+from causaldraft.models.products import native_bf16_products
+from causaldraft.models.quant import use_block_linears
 from causaldraft.paths import causaldraft_home
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -168,7 +170,10 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
             loaded, prefill = quantized.model, quantized.prefill
         else:
             native = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
-            use_packed_head(native)  # bf16: the LM head through oneDNN (models/packed.py); fp32 keeps F.linear
+            # bf16: the LM head through oneDNN (models/packed.py), or where oneDNN takes no bf16 weights
+            # every linear through causaldraft's bf16 kernel (models/quant.py); fp32 keeps F.linear
+            if native_bf16_products() or not use_block_linears(native):
+                use_packed_head(native)
             loaded = native
     elif backend == "hf":
         if dtype not in TORCH_DTYPES:

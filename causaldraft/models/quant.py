@@ -148,10 +148,10 @@ class Int8Linear(nn.Module):
     def __init__(self, weights: Int8Weights, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.values.shape
-        blocks = self.out_features % int4_kernel.BLOCK == 0 and int4_kernel.int8_available()
+        blocks = self.out_features % int4_kernel.BLOCK == 0 and int4_kernel.wide_available()
         self.kernel = "blocks" if blocks else "torch"
         if blocks:
-            self.register_buffer("qweight", int4_kernel.pack_int8(weights.values))
+            self.register_buffer("qweight", int4_kernel.pack_channels(weights.values))
         else:  # a fresh (aligned) copy: the kernel crashes on tensors read unaligned from safetensors
             self.register_buffer("qweight", weights.values.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weights.scales.to(ACTIVATION_DTYPE))  # [out]
@@ -160,7 +160,7 @@ class Int8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] in bfloat16 (materialised on every call)."""
-        values = int4_kernel.unpack_int8(self.qweight) if self.kernel == "blocks" else self.qweight
+        values = int4_kernel.unpack_channels(self.qweight) if self.kernel == "blocks" else self.qweight
         return (values.float() * self.scales.float()[:, None]).to(ACTIVATION_DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +172,57 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Bf16BlockLinear(nn.Module):
+    """``y = x @ W.T + bias`` for a bf16 model's linear where oneDNN takes no bf16 weights (AVX2
+    CPUs, ``products.native_bf16_products``): causaldraft's ``bf16_mm`` over W in records of 16
+    channels per input (fp32 multiply-adds of the bf16 numbers, each output rounded once to bf16,
+    as a bf16 product with fp32 sums rounds), row-invariant by construction. torch's bf16 product
+    there is a generic kernel: ~15 ms a row for the default model's layers, against ~2 ms a row
+    plus one read of the weights with this one (docs/int4-kernel.md)."""
+
+    packed: torch.Tensor  # [out / 16, in, 16] bfloat16
+    bias: torch.Tensor | None  # [out] bfloat16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        padding = -self.out_features % int4_kernel.BLOCK  # zero channels up to a whole block, cut off after
+        padded = torch.cat((weight.detach(), weight.new_zeros(padding, self.in_features)))
+        self.register_buffer("packed", int4_kernel.pack_channels(padded.to(ACTIVATION_DTYPE)))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(ACTIVATION_DTYPE))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W [out, in] bfloat16 (a copy, made on every call)."""
+        return int4_kernel.unpack_channels(self.packed)[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = int4_kernel.bf16_product(as_rows(x, self.in_features), self.packed)  # [m, out + padding]
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_block_linears(model: NativeLlama) -> bool:
+    """Replace a bf16 model's linears (layers and LM head) by ``Bf16BlockLinear`` where its kernel is
+    loaded and every input width is even; False (nothing changed) otherwise."""
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if model.dtype != torch.bfloat16 or not names or not int4_kernel.wide_available():
+        return False
+    modules = dict(model.named_modules())
+    if any(modules[name].in_features % 2 for name in names):
+        return False
+    for name in names:
+        linear = modules[name]
+        assert isinstance(linear, nn.Linear)
+        parent_name, _, attribute = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, attribute, Bf16BlockLinear(linear.weight, linear.bias))
+    return True
 
 
 class Int4Linear(nn.Module):

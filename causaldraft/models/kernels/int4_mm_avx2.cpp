@@ -206,48 +206,70 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 
-// ---------------------------------------------------------------- int8 x bf16 (the AVX2 build only)
+// ---------------------------------------------------------------- int8 or bf16 weights x bf16 (the AVX2 build only)
 //
-// y = scale * sum over inputs of q x, q int8 per output channel (torch's int8 format, scales in
-// bf16), for the LM heads of quantized models where oneDNN takes no bf16 weights. Records: per
-// block of 16 channels, for each input its 16 channels' bytes ([out / 16, in, 16]). Two chains per
-// half (even and odd inputs), in input order. Calls of 1-2 rows widen the bytes in registers for
-// the pair; longer calls widen kInt8Chunk inputs of a block at a time into a buffer and run the rows
-// in threes from it, carrying the chains across chunks. A row's chains get the same multiply-adds
-// in the same order either way, so its result does not depend on the other rows (row-invariant).
+// int8: y = scale * sum over inputs of q x, q int8 per output channel (torch's int8 format, scales
+// in bf16), for the LM heads of quantized models where oneDNN takes no bf16 weights. bf16: y = sum
+// over inputs of w x, for bf16 models' linears on CPUs without native bf16 products (there torch's
+// bf16 products run through a generic kernel, ~5x slower than this). Records: per block of 16
+// channels, for each input its 16 channels' weights ([out / 16, in, 16]). Two chains per half (even
+// and odd inputs), in input order. Calls of 1-2 rows widen the weights in registers for the pair;
+// longer calls widen kWideChunk inputs of a block at a time into a buffer and run the rows in threes
+// from it, carrying the chains across chunks. A row's chains get the same multiply-adds in the same
+// order either way, so its result does not depend on the other rows (row-invariant).
 // Measured, the default model's LM head: 4 / 8 / 16 rows 5.1 / 9.6 / 20.1 ms -> 4.1 / 4.8 / 11.8 ms
 // (widening once per chunk instead of once per pair); 1-2 rows unchanged.
 
-constexpr int64_t kInt8Chunk = 64;  // inputs widened at once (64 x 16 fp32: 4 KB, in L1)
+constexpr int64_t kWideChunk = 64;  // inputs widened at once (64 x 16 fp32: 4 KB, in L1)
 
-template <int R>
-inline void int8_rows(const int8_t* block, int64_t in_features, const float* const* rows, const __m256* scales,
-                      c10::BFloat16* const* out) {
+// The weight formats: bytes per input of a block, and half h's 8 channels of one input as fp32.
+struct Int8Weight {
+  using Type = int8_t;
+  static constexpr bool kScaled = true;
+  static inline __m256 widen(const Type* input, int h) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(input + 8 * h))));
+  }
+};
+
+struct Bf16Weight {
+  using Type = c10::BFloat16;
+  static constexpr bool kScaled = false;
+  static inline __m256 widen(const Type* input, int h) {
+    return bf16_to_fp32(reinterpret_cast<const uint8_t*>(input + 8 * h));
+  }
+};
+
+// A row's 16 outputs from its chains: (even + odd) per half, times the channel scales (int8).
+template <typename W>
+inline void finish_row(__m256 even_lo, __m256 even_hi, __m256 odd_lo, __m256 odd_hi, const __m256* scales,
+                       c10::BFloat16* out) {
+  alignas(32) float values[kBlock];
+  const __m256 lo = _mm256_add_ps(even_lo, odd_lo), hi = _mm256_add_ps(even_hi, odd_hi);
+  _mm256_store_ps(values, W::kScaled ? _mm256_mul_ps(lo, scales[0]) : lo);
+  _mm256_store_ps(values + 8, W::kScaled ? _mm256_mul_ps(hi, scales[1]) : hi);
+  for (int n = 0; n < kBlock; ++n) out[n] = c10::BFloat16(values[n]);
+}
+
+template <typename W, int R>
+inline void wide_rows(const typename W::Type* block, int64_t in_features, const float* const* rows,
+                      const __m256* scales, c10::BFloat16* const* out) {
   __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
   for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < in_features; i += 2) {
 #pragma GCC unroll 2
     for (int t = 0; t < 2; ++t) {
-      const int8_t* bytes = block + (i + t) * kBlock;
-      const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
-      const __m256 w_hi =
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8))));
-      slot_step<R>(t, w_lo, w_hi, rows, i + t, even_lo, even_hi, odd_lo, odd_hi);
+      const typename W::Type* input = block + (i + t) * kBlock;
+      slot_step<R>(t, W::widen(input, 0), W::widen(input, 1), rows, i + t, even_lo, even_hi, odd_lo, odd_hi);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float values[kBlock];
-    _mm256_store_ps(values, _mm256_mul_ps(_mm256_add_ps(even_lo[r], odd_lo[r]), scales[0]));
-    _mm256_store_ps(values + 8, _mm256_mul_ps(_mm256_add_ps(even_hi[r], odd_hi[r]), scales[1]));
-    for (int n = 0; n < kBlock; ++n) out[r][n] = c10::BFloat16(values[n]);
-  }
+  for (int r = 0; r < R; ++r) finish_row<W>(even_lo[r], even_hi[r], odd_lo[r], odd_hi[r], scales, out[r]);
 }
 
 // R rows' chains over ``count`` widened inputs (``offset`` the first's index), carried in ``chains``
-// (per row: even_lo, even_hi, odd_lo, odd_hi, 8 floats each): the multiply-adds of int8_rows.
+// (per row: even_lo, even_hi, odd_lo, odd_hi, 8 floats each): the multiply-adds of wide_rows.
 template <int R>
-inline void int8_rows_widened(const float* widened, int64_t count, int64_t offset, const float* const* rows,
-                              float* const* chains) {
+inline void rows_widened(const float* widened, int64_t count, int64_t offset, const float* const* rows,
+                         float* const* chains) {
   __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
   for (int r = 0; r < R; ++r) {
     even_lo[r] = _mm256_loadu_ps(chains[r]);
@@ -271,68 +293,61 @@ inline void int8_rows_widened(const float* widened, int64_t count, int64_t offse
   }
 }
 
-// Calls of 3+ rows: each block's inputs widened kInt8Chunk at a time, rows in threes (the last one
-// or two alone or as a pair); the chains' sums as int8_rows ends them.
-void int8_block_widened(const int8_t* block, int64_t rows, int64_t in_features, const float* xs, const __m256* scales,
-                        int64_t out_features, c10::BFloat16* result, float* widened, std::vector<float>& chains) {
+// Calls of 3+ rows: each block's inputs widened kWideChunk at a time, rows in threes (the last one
+// or two alone or as a pair); the chains' sums as wide_rows ends them.
+template <typename W>
+void block_widened(const typename W::Type* block, int64_t rows, int64_t in_features, const float* xs,
+                   const __m256* scales, int64_t out_features, c10::BFloat16* result, float* widened,
+                   std::vector<float>& chains) {
   std::fill(chains.begin(), chains.end(), 0.0f);
-  for (int64_t start = 0; start < in_features; start += kInt8Chunk) {
-    const int64_t count = std::min(kInt8Chunk, in_features - start);
+  for (int64_t start = 0; start < in_features; start += kWideChunk) {
+    const int64_t count = std::min(kWideChunk, in_features - start);
     for (int64_t i = 0; i < count; ++i) {
-      const int8_t* bytes = block + (start + i) * kBlock;
-      for (int h = 0; h < 2; ++h) {
-        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * h));
-        _mm256_store_ps(widened + i * kBlock + 8 * h, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)));
-      }
+      const typename W::Type* input = block + (start + i) * kBlock;
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(widened + i * kBlock + 8 * h, W::widen(input, h));
     }
     for (int64_t m = 0; m < rows; m += 3) {
       const int64_t m1 = std::min(m + 1, rows - 1), m2 = std::min(m + 2, rows - 1);
       const float* trio[3] = {xs + m * in_features, xs + m1 * in_features, xs + m2 * in_features};
       float* trio_chains[3] = {chains.data() + m * 32, chains.data() + m1 * 32, chains.data() + m2 * 32};
       const int64_t n = std::min<int64_t>(3, rows - m);
-      if (n == 3) int8_rows_widened<3>(widened, count, start, trio, trio_chains);
-      if (n == 2) int8_rows_widened<2>(widened, count, start, trio, trio_chains);
-      if (n == 1) int8_rows_widened<1>(widened, count, start, trio, trio_chains);
+      if (n == 3) rows_widened<3>(widened, count, start, trio, trio_chains);
+      if (n == 2) rows_widened<2>(widened, count, start, trio, trio_chains);
+      if (n == 1) rows_widened<1>(widened, count, start, trio, trio_chains);
     }
   }
   for (int64_t m = 0; m < rows; ++m) {
-    const float* row_chains = chains.data() + m * 32;
-    alignas(32) float values[kBlock];
-    const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(row_chains), _mm256_loadu_ps(row_chains + 16));
-    const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(row_chains + 8), _mm256_loadu_ps(row_chains + 24));
-    _mm256_store_ps(values, _mm256_mul_ps(lo, scales[0]));
-    _mm256_store_ps(values + 8, _mm256_mul_ps(hi, scales[1]));
-    for (int n = 0; n < kBlock; ++n) result[m * out_features + n] = c10::BFloat16(values[n]);
+    const float* c = chains.data() + m * 32;
+    finish_row<W>(_mm256_loadu_ps(c), _mm256_loadu_ps(c + 8), _mm256_loadu_ps(c + 16), _mm256_loadu_ps(c + 24),
+                  scales, result + m * out_features);
   }
 }
 
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x must be [m, k] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-                  packed.size(2) == kBlock, "int8_mm: bad packed");
+// x [rows, in] bf16 times the records [out / 16, in, 16] (with per-channel bf16 scales for int8).
+template <typename W>
+at::Tensor wide_mm(const at::Tensor& x, const at::Tensor& packed, const uint8_t* scale_bytes) {
   const int64_t rows = x.size(0), in_features = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) == in_features && in_features % 2 == 0, "int8_mm: packed does not fit x");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == blocks * kBlock && scales.scalar_type() == at::kBFloat16 &&
-                  scales.is_contiguous(), "int8_mm: scales must be [out] bf16");
   const int64_t out_features = blocks * kBlock;
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   std::vector<float> xs(rows * in_features);
   const c10::BFloat16* in = x.data_ptr<at::BFloat16>();
   for (int64_t j = 0; j < rows * in_features; ++j) xs[j] = static_cast<float>(in[j]);
-  const int8_t* weights = packed.data_ptr<int8_t>();
-  const auto* scale_bytes = reinterpret_cast<const uint8_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* weights = reinterpret_cast<const typename W::Type*>(packed.data_ptr());
   auto* result = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float widened[kInt8Chunk * kBlock];
+    alignas(64) float widened[kWideChunk * kBlock];
     std::vector<float> chains(rows > 2 ? rows * 32 : 0);
     for (int64_t b = begin; b < end; ++b) {
-      const int8_t* block = weights + b * in_features * kBlock;
-      const __m256 block_scales[2] = {bf16_to_fp32(scale_bytes + 2 * b * kBlock),
-                                      bf16_to_fp32(scale_bytes + 2 * b * kBlock + 16)};
+      const typename W::Type* block = weights + b * in_features * kBlock;
+      __m256 block_scales[2] = {_mm256_set1_ps(1.0f), _mm256_set1_ps(1.0f)};
+      if (W::kScaled) {
+        block_scales[0] = bf16_to_fp32(scale_bytes + 2 * b * kBlock);
+        block_scales[1] = bf16_to_fp32(scale_bytes + 2 * b * kBlock + 16);
+      }
       if (rows > 2) {
-        int8_block_widened(block, rows, in_features, xs.data(), block_scales, out_features, result + b * kBlock,
-                           widened, chains);
+        block_widened<W>(block, rows, in_features, xs.data(), block_scales, out_features, result + b * kBlock,
+                         widened, chains);
         continue;
       }
       for (int64_t m = 0; m < rows; m += 2) {
@@ -340,9 +355,9 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
         const float* pair[2] = {xs.data() + m * in_features, xs.data() + next * in_features};
         c10::BFloat16* targets[2] = {result + m * out_features + b * kBlock, result + next * out_features + b * kBlock};
         if (next == m) {
-          int8_rows<1>(block, in_features, pair, block_scales, targets);
+          wide_rows<W, 1>(block, in_features, pair, block_scales, targets);
         } else {
-          int8_rows<2>(block, in_features, pair, block_scales, targets);
+          wide_rows<W, 2>(block, in_features, pair, block_scales, targets);
         }
       }
     }
@@ -350,14 +365,34 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return out;
 }
 
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x must be [m, k] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(2) == kBlock, "int8_mm: bad packed");
+  TORCH_CHECK(packed.size(1) == x.size(1) && x.size(1) % 2 == 0, "int8_mm: packed does not fit x");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == packed.size(0) * kBlock &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), "int8_mm: scales must be [out] bf16");
+  return wide_mm<Int8Weight>(x, packed, reinterpret_cast<const uint8_t*>(scales.data_ptr<at::BFloat16>()));
+}
+
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "bf16_mm: x must be [m, k] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kBlock, "bf16_mm: bad packed");
+  TORCH_CHECK(packed.size(1) == x.size(1) && x.size(1) % 2 == 0, "bf16_mm: packed does not fit x");
+  return wide_mm<Bf16Weight>(x, packed, nullptr);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(causaldraft, m) {
   m.def("int4_mm(Tensor x, Tensor packed) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("bf16_mm(Tensor x, Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(causaldraft, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("bf16_mm", &bf16_mm);
 }

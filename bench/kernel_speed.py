@@ -12,23 +12,13 @@ back to back, and rerun).
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from pass_cost import median_ms  # bench/: the script's own directory
 
 from causaldraft.models.loading import load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.models.quant import Int4Linear, Int8Linear, int4_kernels
-
-
-def median_ms(run: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2] * 1e3
 
 
 def main() -> None:
@@ -47,9 +37,7 @@ def main() -> None:
     print("rows  int4 products ms  head ms")
     with torch.no_grad():
         for rows in (int(value) for value in args.rows.split(",")):
-            inputs = {
-                size: torch.randn(rows, size).to(torch.bfloat16) for size in {m.in_features for m in linears}
-            }
+            inputs = {size: torch.randn(rows, size).to(torch.bfloat16) for size in {m.in_features for m in linears}}
             hidden = torch.randn(rows, backend.shape.hidden_size).to(torch.bfloat16)
 
             def products(inputs: dict[int, torch.Tensor] = inputs) -> None:

@@ -216,14 +216,19 @@ def test_int8_records_and_products() -> None:
 @needs_int8
 def test_int8_rows_are_computed_as_if_alone_on_any_thread_count() -> None:
     linear = Int8Linear(quantize_int8(torch.randn(64, 576, generator=torch.Generator().manual_seed(12))), None)
-    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    assert_rows_as_if_alone(linear, torch.randn(7, 576, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16))
+
+
+def assert_rows_as_if_alone(linear: torch.nn.Module, x: torch.Tensor) -> None:
+    """Each of x's 7 rows gives the same bits alone, in pairs, in threes, and on 1 and 2 threads."""
     alone = torch.cat([linear(x[i : i + 1]) for i in range(7)])
     for start, stop in [(0, 7), (0, 2), (1, 4), (3, 7), (0, 5), (6, 7)]:  # threes, pairs, alone
         assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        assert torch.equal(linear(x), alone)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(linear(x), alone)
     finally:
         torch.set_num_threads(threads)
 
@@ -255,15 +260,7 @@ def test_bf16_block_linear_products_rows_and_threads() -> None:
     exact = x.double() @ weight.double().t()
     bound = (exact.abs() + bias.double().abs()) * 2**-7 + 1e-5 * (x.double().abs() @ weight.double().abs().t())
     assert ((products - exact).abs() <= bound).all()
-    alone = torch.cat([linear(x[i : i + 1]) for i in range(7)])
-    for start, stop in [(0, 7), (0, 2), (1, 4), (3, 7), (0, 5), (6, 7)]:
-        assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(linear(x), alone)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_as_if_alone(linear, x)
     narrow = Bf16BlockLinear(weight[:40], bias[:40])  # padded to 48 channels, cut back to 40
     assert torch.equal(narrow.weight, weight[:40]) and torch.equal(narrow(x), linear(x)[:, :40])
     with pytest.raises(RuntimeError, match="packed does not fit x"):

@@ -17,7 +17,8 @@ from causaldraft.models.loading import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "bench" / "mt_bench_question.jsonl"
+# MT-bench questions kept in the repository (not those of bench/prompts/mt-bench-8.jsonl, which the benches use)
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "mt-bench-other16.jsonl"
 
 
 def mt_bench_prompts(count: int) -> list[str]:

@@ -241,6 +241,11 @@ class DepthGate:
             return True
         return False
 
+    def restart_level(self) -> None:
+        """The level just allowed starts now: what the drafter did since the question (its own
+        bookkeeping, e.g. eagle3's queued prefix rows) is not that level's drafting time."""
+        self.stamps[-1] = time.perf_counter()
+
     def level_times(self, draft_seconds: float) -> list[float]:
         """Seconds each allowed level took (the last one until drafting ended)."""
         ends = [*self.stamps[1:], self.started + draft_seconds]

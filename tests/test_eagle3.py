@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,9 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
+from causaldraft.adapt import DepthGate, VerifyCost, initial_adapt_state
 from causaldraft.api import load
 from causaldraft.cli import main
-from causaldraft.config import SamplingConfig
+from causaldraft.config import SamplingConfig, TreeConfig
 from causaldraft.drafters.base import DraftContext
 from causaldraft.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
 from causaldraft.drafters.eagle3_model import (
@@ -205,11 +207,11 @@ def test_drafting_computes_exactly_what_training_unrolls(
             assert prob == pytest.approx(float(expected.max()), abs=1e-4), depth
 
 
-def test_queued_rows_run_before_the_gate_is_asked(tiny: LoadedModel, generated: Path) -> None:
-    """The prompt's rows run at start (prefill), a step's rows before the gate's first question, so
-    the gate's level times are drafting alone (a catch-up once counted as the first level's cost
-    starved eagle3 of trees); a declined step leaves nothing queued, and the next tree is the tree
-    of a drafter that never declined."""
+def test_queued_rows_run_only_when_the_gate_allows_a_first_level(tiny: LoadedModel, generated: Path) -> None:
+    """The prompt's rows run at start (prefill); a step's rows wait until the gate allows the first
+    level, so a step kept plain runs no layer pass, and then run before that level's clock restarts,
+    so the gate's level times are drafting alone (a catch-up once counted as the first level's cost
+    starved eagle3 of trees). The next tree is the tree of a drafter that never declined."""
     layer = random_layer(tiny)
     seq = max(load_sequences(generated), key=lambda s: s.response_length)
     tokens = seq.tokens.tolist()
@@ -218,27 +220,43 @@ def test_queued_rows_run_before_the_gate_is_asked(tiny: LoadedModel, generated: 
     context_tokens = tuple(tokens[: root_row + 2])
     asked: list[tuple[int, int]] = []  # (committed, pending) at each gate question
 
-    def declining(drafter: Eagle3Drafter) -> object:
+    def gate_of(drafter: Eagle3Drafter, answer: bool) -> object:
         def gate(scores: object, frontier: object, level: int) -> bool:
             asked.append((drafter.committed, len(drafter.pending_tokens)))
-            return False
+            return answer and level == 0
 
         return gate
 
     def context(gate: object) -> DraftContext:
         return DraftContext(context_tokens, None, "dynamic", 3, 2, 8, SamplingConfig(), None, gate=gate)  # type: ignore[arg-type]
 
-    drafters = [Eagle3Drafter(layer, tiny.backend, lookup_merge=False) for _ in range(2)]
+    drafters = [Eagle3Drafter(layer, tiny.backend, lookup_merge=False) for _ in range(3)]
+    queued = len(context_tokens) - len(prompt)
     for drafter in drafters:
         drafter.start(prompt, seq.features[: len(prompt) - 1].float())
         assert drafter.committed == len(prompt) - 1 and not drafter.pending_tokens
         drafter.queue(context_tokens[len(prompt) :], seq.features[len(prompt) - 1 : root_row + 1].float())
-    declining_drafter, drafting = drafters
-    declined = declining_drafter.propose(context(declining(declining_drafter)))
-    assert declined.tree.size == 1 and asked == [(root_row + 1, 0)]
-    drafted = declining_drafter.propose(context(None))
-    assert declining_drafter.committed == root_row + 1 and drafted.tree.size > 1
+    declining, allowing, drafting = drafters
+    declined = declining.propose(context(gate_of(declining, False)))
+    assert declined.tree.size == 1 and asked == [(len(prompt) - 1, queued)]
+    assert declining.committed == len(prompt) - 1  # kept plain: the queued rows still wait
+    drafted = declining.propose(context(None))
+    assert declining.committed == root_row + 1 and drafted.tree.size > 1
     assert drafted.tree == drafting.propose(context(None)).tree
+    asked.clear()
+    one_level = allowing.propose(context(gate_of(allowing, True)))
+    assert asked[0] == (len(prompt) - 1, queued) and asked[1] == (root_row + 1, 0)  # ran between the questions
+    assert one_level.tree.size > 1 and max(one_level.tree.depths) == 1
+
+
+def test_a_restarted_level_does_not_count_the_drafter_s_bookkeeping() -> None:
+    cost = VerifyCost({1: 0.01, 2: 0.011, 4: 0.012}, ())
+    state = initial_adapt_state(TreeConfig())
+    gate = DepthGate(state, cost, 8, reprobe_every=4, started=time.perf_counter(), always_first=True)
+    assert gate([], [1.0], 0)
+    time.sleep(0.05)  # bookkeeping after the question
+    gate.restart_level()
+    assert gate.level_times(time.perf_counter() - gate.started)[0] < 0.04
 
 
 def test_trained_layer_beats_random_and_accepts_more(tiny: LoadedModel, generated: Path, tmp_path: Path) -> None:

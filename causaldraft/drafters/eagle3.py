@@ -3,11 +3,12 @@
 Draft cache (one layer, rows = rope positions): rows 0 .. T-1 mirror the target's committed prefix
 (row p: token x_{p+1}, hidden fc(a_p) from the target's features). Features arrive after each
 step for the accepted path (root and accepted nodes) and at prefill for the prompt. The prompt's
-rows run at once (part of the prefill); a step's rows wait in ``pending`` and run in one pass when
-the next tree is proposed, before the cost model's gate is asked about its first level: the gate's
-level times are drafting alone (docs/eagle3.md: what went wrong when they were not). During a
-fallback stretch rows are run every ``CATCH_UP_ROWS``. The last prefix row (token = the root)
-predicts the root's children.
+rows run at once (part of the prefill); a step's rows wait in ``pending`` and run in one pass once
+the cost model's gate lets the next tree draft its first level, with the gate's clock for that level
+restarted after them: the gate's level times are drafting alone (docs/eagle3.md: what went wrong
+when they were not), and a step the gate keeps plain runs no layer pass at all. Rows left waiting
+run every ``CATCH_UP_ROWS``, in one pass. The last prefix row (token = the root) predicts the root's
+children.
 
 Drafting a tree: the nodes of depth d >= 1 are one pass of the layer, each node a row at position
 T - 1 + d with its own token and its parent row's output as hidden, attending to the prefix and
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from causaldraft.adapt import DepthGate
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, pack_linears, read_config
 from causaldraft.drafters.lookup import LookupMerge
@@ -36,7 +38,7 @@ from causaldraft.drafters.ranking import rank_children
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
-from causaldraft.tree import Candidates, Tree, build_tree
+from causaldraft.tree import Candidates, LevelGate, Tree, build_tree
 
 INITIAL_ROWS = 1024
 
@@ -117,21 +119,36 @@ class Eagle3Drafter:
         self.pending_tokens, self.pending_features = [], []
 
     def propose(self, context: DraftContext) -> Draft:
-        """The tree; the queued prefix rows run first, before the gate is asked about any level."""
+        """The tree; the queued prefix rows run when the gate allows a first level (``catching_up``)."""
         rows = self.committed + len(self.pending_tokens)
         if rows != len(context.tokens) - 1 or (self.root_out is None and not self.pending_tokens):
             return Draft.root_only(context.tokens[-1])
         paths = self.lookup.paths(context) if self.lookup is not None else []
         budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
-            self.catch_up()
             expand = self.expander(context)
             merged = self.lookup.scores(paths) if self.lookup is not None else []
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
-                               context.gate, merged)  # fmt: skip
+                               self.catching_up(context.gate), merged)  # fmt: skip
         if self.lookup is not None:
             self.lookup.merge(draft, paths, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
+
+    def catching_up(self, gate: LevelGate | None) -> LevelGate | None:
+        """``gate``, with the queued rows run once it allows the first level, and that level's clock
+        restarted after them (a ``DepthGate``), so the level's measured time is drafting alone."""
+        if gate is None:
+            return None
+
+        def ask(scores: list[float], frontier: list[float], level: int) -> bool:
+            allowed = gate(scores, frontier, level)
+            if allowed and level == 0 and self.pending_tokens:
+                self.catch_up()
+                if isinstance(gate, DepthGate):
+                    gate.restart_level()
+            return allowed
+
+        return ask
 
     def expander(self, context: DraftContext) -> Callable[[Tree, list[int]], list[Candidates]]:
         """The tree builder's expand(tree, nodes): one layer pass per call over the given nodes
@@ -146,7 +163,8 @@ class Eagle3Drafter:
         def expand(tree: Tree, nodes: list[int]) -> list[Candidates]:
             nonlocal written
             if 0 not in outputs:  # the first expansion: the last prefix row (run by ``catch_up``) is the root's
-                assert self.root_out is not None and not self.pending_tokens
+                self.catch_up()  # without a gate (fixed trees) the queued rows run here
+                assert self.root_out is not None
                 outputs[0], slots[0], written = self.root_out, self.committed - 1, self.committed
             fresh = [node for node in nodes if node not in outputs]
             depths = tree.depths

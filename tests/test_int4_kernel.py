@@ -81,28 +81,59 @@ def test_pack_refuses_shapes_the_kernel_cannot_take() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (48, 96), (192, 576), (64, 1536)])
-def test_products_match_the_exact_product_within_bf16_rounding(out_features: int, in_features: int) -> None:
+def test_products_match_the_build_s_arithmetic_within_bf16_rounding(out_features: int, in_features: int) -> None:
+    """bf16 activations (the AVX-512 build): the exact product of x and the weight, up to fp32 sums and the
+    bf16 output. int8 activations (the AVX2 build): exact integer dot products of the rounded activations,
+    scaled per group, up to the same; and within the activations' rounding (half a step each) of the exact
+    product."""
     assert int4_kernel.available()
+    build = int4_kernel.build_for_cpu()
+    assert build is not None
     quantized = weights(out_features, in_features, seed=out_features)
     linear = Int4Linear(quantized, None)
     assert linear.kernel == "blocks"
     x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[3, :32] = 0  # a group of zeros (step 0)
     exact = x.double() @ as_used(quantized).t()  # [7, out]
     got = linear(x).double()
-    # fp32 sums of the terms x * (q - 8) * scale and x * zero, rounded once to bf16: half a bf16 ulp
-    # plus the fp32 sums' error, bounded by the terms' magnitudes
     groups = quantized.scales.shape[1]
-    magnitude = ((quantized.values.double() - 8).abs() * bf16_columns(quantized.scales, groups)).abs()
-    magnitude = magnitude + bf16_columns(quantized.zeros, groups).abs()
-    bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ magnitude.t())
-    assert ((got - exact).abs() <= bound).all()
+    if not build.int8_activations:
+        # fp32 sums of the terms x * (q - 8) * scale and x * zero, rounded once to bf16: half a bf16 ulp
+        # plus the fp32 sums' error, bounded by the terms' magnitudes
+        magnitude = ((quantized.values.double() - 8).abs() * bf16_columns(quantized.scales, groups)).abs()
+        magnitude = magnitude + bf16_columns(quantized.zeros, groups).abs()
+        bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ magnitude.t())
+        assert ((got - exact).abs() <= bound).all()
+        return
+    values, steps = int4_kernel.quantize_activations(x)  # [7, groups, 32], [7, groups, 1]
+    assert values.abs().max() <= 127 and torch.equal(values, values.round())
+    q = (quantized.values.double() - 8).reshape(out_features, groups, int4_kernel.GROUP)
+    dots = torch.einsum("mgk,ngk->mng", values.double(), q)  # exact integers [7, out, groups]
+    sums = values.sum(dim=-1)  # [7, groups]
+    scale_steps = (quantized.scales.to(torch.bfloat16).float()[None] * steps.squeeze(-1)[:, None]).double()
+    step_sums = (steps.squeeze(-1) * sums).double()[:, None]  # fp32 products, as the kernel rounds them
+    terms = dots * scale_steps + quantized.zeros.to(torch.bfloat16).double()[None] * step_sums  # [7, out, groups]
+    reference = terms.sum(dim=-1)
+    bound = reference.abs() * 2**-8 + 1e-5 * terms.abs().sum(dim=-1)
+    assert ((got - reference).abs() <= bound).all()
+    rounding = steps.double().expand(-1, -1, int4_kernel.GROUP).reshape(7, in_features) * 0.5  # per input
+    assert ((got - exact).abs() <= bound + rounding @ as_used(quantized).abs().t()).all()
 
 
 @needs_kernel
 def test_the_weight_seen_through_the_kernel_is_the_bf16_scaled_weight() -> None:
+    """Through the identity: the bf16 weight bit for bit with bf16 activations; with int8 activations (each
+    row of the identity is 127 steps of 1/127) within the fp32 rounding of scale * step, i.e. one bf16 step."""
     quantized = weights(32, 64, seed=3)
     seen = Int4Linear(quantized, None).dequantized().double()
-    assert torch.equal(seen, as_used(quantized).to(torch.bfloat16).double())
+    expected = as_used(quantized).to(torch.bfloat16).double()
+    build = int4_kernel.build_for_cpu()
+    assert build is not None
+    if not build.int8_activations:
+        assert torch.equal(seen, expected)
+        return
+    assert ((seen - expected).abs() <= expected.abs() * 2**-7).all()
+    assert (seen == expected).float().mean() > 0.9
 
 
 @needs_kernel

@@ -8,13 +8,17 @@ for every row (AVX-512 bf16 dot products): the one-row products of a pass run at
 speed, 11-18 % faster than torch's at 1-16 rows (docs/int4-kernel.md has the layout, the arithmetic
 and the measurements).
 
-The arithmetic is the same as torch's kernel's in exact terms (``w = (q - 8) * scale + zero``,
-scales and zeros in bf16, bf16 activations, fp32 sums, bf16 output); only the summation order
-differs. Every output element is computed by the same instructions whatever the row count and the
-thread count, so the product is row-invariant, which exactness needs (docs/exactness.md).
+The AVX-512 build's arithmetic is the same as torch's kernel's in exact terms (``w = (q - 8) * scale +
+zero``, scales and zeros in bf16, bf16 activations, fp32 sums, bf16 output); only the summation order
+differs. The AVX2 build (since stop 25) first quantizes each row's activations to int8 per group of 32
+inputs, as llama.cpp's Q4_1 x Q8_1 product does, and sums exact integer dot products
+(``Build.int8_activations``; ``quantize_activations`` is its rounding, docs/int4-kernel.md): a
+product of 2-4 rows then costs about what one costs (memory-bound), against ~2x-3x with fp32
+multiply-adds. Every output element is computed by the same instructions whatever the row count and
+the thread count, so the product is row-invariant, which exactness needs (docs/exactness.md).
 
-Used where the CPU has AVX-512 with bf16 (that build) or else AVX2 with FMA (the AVX2 build: fp32
-multiply-adds on the same records, docs/int4-kernel.md), a C++ compiler is found and
+Used where the CPU has AVX-512 with bf16 (that build) or else AVX2 with FMA (the AVX2 build, on the
+same records), a C++ compiler is found and
 ``CAUSALDRAFT_INT4_KERNEL`` is not ``torch`` (``avx2`` picks the AVX2 build where both run);
 otherwise int4 linears use torch's kernel (with a message when a build failed). Both builds use
 OpenMP threads (``-fopenmp``: ``at::parallel_for`` is inline and runs serially without it).
@@ -52,17 +56,21 @@ class Build:
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     wide: bool = False  # also defines ``causaldraft::int8_mm`` and ``causaldraft::bf16_mm``
+    int8_activations: bool = False  # int4_mm rounds activations as ``quantize_activations`` does
 
 
-# In order of preference. Both read the same records and compute the same exact terms; their sums
-# round differently (compiled graphs are keyed by the CPU, so each has its own).
+# In order of preference. Both read the same records; the AVX2 build rounds activations to int8 per
+# group (compiled graphs are keyed by the CPU, so each has its own).
 BUILDS = (
     Build(
         "avx512_bf16", KERNELS / "int4_mm.cpp",
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     ),
-    Build("avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"), wide=True),
+    Build(
+        "avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"), wide=True,
+        int8_activations=True,
+    ),
 )  # fmt: skip
 SOURCES = tuple(build.source for build in BUILDS)
 BLOCK = 16  # output channels per record
@@ -203,6 +211,22 @@ def pack_blocks(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
         return grouped.view(torch.uint8)
 
     return torch.cat((nibbles, per_record(scales), per_record(zeros)), dim=-1).contiguous()
+
+
+ACTIVATION_LEVELS = 127  # int8 activations lie in [-127, 127]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How a build with ``int8_activations`` rounds rows [m, in] before its integer products: per row
+    and group of GROUP inputs, step d = amax / 127 and values round(x * (127 / amax)) (half to even,
+    fp32), so x ~ d * values. Returns (values [m, in / GROUP, GROUP] float32 integers, d [m, in / GROUP, 1]).
+    The kernel computes this in C++; this is its statement for tests and readers."""
+    groups = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    # a true fp32 division, as the kernel's (``127 / tensor`` multiplies by a reciprocal: another rounding)
+    inverse = torch.where(amax > 0, torch.full_like(amax, ACTIVATION_LEVELS) / amax, torch.zeros_like(amax))
+    values = torch.round(groups * inverse).clamp(-ACTIVATION_LEVELS, ACTIVATION_LEVELS)
+    return values, amax / ACTIVATION_LEVELS
 
 
 def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,18 @@
 // int4 weight x bf16 activation product for CPUs with AVX2 and FMA but no AVX-512 bf16 (e.g. AMD
 // Zen 3), on the same records as int4_mm.cpp (causaldraft/models/int4_kernel.py has the layout,
-// docs/int4-kernel.md the arithmetic). fp32 multiply-adds instead of bf16 dot products.
+// docs/int4-kernel.md the arithmetic). Integer dot products on 8-bit activations, as llama.cpp's
+// Q4_1 x Q8_1 product does (stop 25; before, fp32 multiply-adds: ~3x the instructions per row).
 //
-// A record's 16 bytes of a chunk c and half h, widened to 8 dwords, hold in dword n (channel
-// 8h + n) four nibbles: bits 0-3 input 4c, 4-7 input 4c + 2, 8-11 input 4c + 1, 12-15 input 4c + 3.
-// Each nibble is converted in place (masked, not shifted): the float of (d & 0xF0) is 16 q, and
-// the activation it meets is divided by 16 beforehand, so the product is q x exactly (powers of
-// two); likewise 256 and 4096. Each row's group dot product D = sum q x runs in two fixed chains
-// per half, then T = D - 8 S (S the row's sum over the group), total += T * scale + S * zero.
-// A row's instructions are the same whether it comes in a pair or alone, and whether the record is
-// unpacked into registers (calls of up to 4 rows) or once into a buffer (more rows), so its result
-// does not depend on the other rows of the call; threads split output blocks.
+// Each row's activations are quantized per group of 32 inputs (the weights' group): d = amax / 127,
+// xi = round(x / d) in [-127, 127], S = sum of xi. A record's chunk c (32 bytes: byte 2n + p holds
+// channel n's values at inputs 4c + p in its low nibble and 4c + 2 + p in its high nibble) masked to
+// its low nibbles is 16 pairs of unsigned bytes, one pair per channel, and vpmaddubsw against the
+// broadcast pair (xi[4c], xi[4c + 1]) gives each channel's q0 x0 + q1 x1 as an int16 (|.| <= 3810);
+// likewise the high nibbles with (xi[4c + 2], xi[4c + 3]). Four chunks add up in int16 (<= 30480),
+// the two halves of the group in int32: D = sum over the group of xi q, exact. Then T = D - 8 S
+// (exact) and, per channel, total += float(T) * (scale * d) + zero * (d * S) in fp32, group by group
+// in input order. Integer sums do not depend on their order, and the fp32 steps are the same
+// instructions for a row whatever the call's other rows and threads: row-invariant (tested).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,7 +21,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -30,47 +34,13 @@ constexpr int64_t kChunks = kGroup / 4;  // 32-byte chunks of a record, 4 inputs
 constexpr int64_t kNibbles = kBlock * kGroup / 2;  // bytes of int4 values per (block, group)
 constexpr int64_t kBytes = kNibbles + 4 * kBlock;  // + 16 bf16 scales + 16 bf16 zeros
 constexpr int64_t kAhead = 8;  // records prefetched ahead of the one being read
-// calls of up to this many rows unpack each record in registers (per pair of rows); longer calls
-// unpack it once into a buffer. Measured, 120 products of a pass: 3 and 4 rows cost 10.7 and 12.6 ms
-// through the buffer against 13.0 and 16.1 ms unpacked per pair; 1 and 2 rows the same either way.
-constexpr int64_t kDirectRows = 2;
 constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
-
-// Slot k of a chunk (the order the nibbles sit in a dword): its input offset and scale factor.
-constexpr int kOffset[4] = {0, 2, 1, 3};
-constexpr float kFactor[4] = {1.0f, 1.0f / 16, 1.0f / 256, 1.0f / 4096};
-constexpr uint32_t kMask[4] = {0xF, 0xF0, 0xF00, 0xF000};
-
-// The record's weights as floats [32 slots][16 channels]: slot 4c + k holds 2^(4k) q at input
-// 4c + kOffset[k].
-inline void unpack(const uint8_t* bytes, float* weights) {
-  for (int c = 0; c < kChunks; ++c) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256i words =
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c + 16 * h)));
-      for (int k = 0; k < 4; ++k) {
-        const __m256i nibble = _mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(kMask[k])));
-        _mm256_store_ps(weights + (4 * c + k) * kBlock + 8 * h, _mm256_cvtepi32_ps(nibble));
-      }
-    }
-  }
-}
+constexpr int kRowsAtOnce = 4;  // rows sharing a record's unpacked chunks (their sums stay in registers)
+constexpr int kLargest = 127;  // quantized activations lie in [-127, 127]
 
 inline __m256 bf16_to_fp32(const uint8_t* bytes) {
   __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
-}
-
-// The end of one row's group: T = D - 8 S per half, then total += T * scale + S * zero.
-inline void finish(__m256 even_lo, __m256 odd_lo, __m256 even_hi, __m256 odd_hi, float sum, const __m256* scales,
-                   float* total) {
-  const __m256 s = _mm256_set1_ps(sum), minus8s = _mm256_set1_ps(-8.0f * sum);
-  const __m256 t_lo = _mm256_add_ps(_mm256_add_ps(even_lo, odd_lo), minus8s);
-  const __m256 t_hi = _mm256_add_ps(_mm256_add_ps(even_hi, odd_hi), minus8s);
-  const __m256 lo = _mm256_fmadd_ps(t_lo, scales[0], _mm256_loadu_ps(total));
-  const __m256 hi = _mm256_fmadd_ps(t_hi, scales[1], _mm256_loadu_ps(total + 8));
-  _mm256_storeu_ps(total, _mm256_fmadd_ps(scales[2], s, lo));
-  _mm256_storeu_ps(total + 8, _mm256_fmadd_ps(scales[3], s, hi));
 }
 
 // Slot p's weights (both halves) times R rows' activation at that slot, into the even or odd chains.
@@ -90,63 +60,86 @@ inline void slot_step(int p, __m256 w_lo, __m256 w_hi, const float* const* slots
   }
 }
 
-// R rows' groups from the unpacked record: D = sum over slots of w * x' in two chains per half
-// (even and odd slots), in slot order; the weights are loaded once for the R rows.
-template <int R>
-inline void rows_group(const float* weights, const float* const* slots, const float* sums, const __m256* scales,
-                       float* const* totals) {
-  __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
-  for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
-#pragma GCC unroll 32
-  for (int p = 0; p < kGroup; ++p) {  // one slot at a time, as rows_group_direct
-    const __m256 w_lo = _mm256_load_ps(weights + p * kBlock), w_hi = _mm256_load_ps(weights + p * kBlock + 8);
-    slot_step<R>(p, w_lo, w_hi, slots, p, even_lo, even_hi, odd_lo, odd_hi);
-  }
-  for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
-}
+// Rows' activations quantized per group: values [rows, in] in input order; per (row, group) the
+// step d, the sum S of the values and d * S (fp32), each computed once per row in a fixed order.
+struct QuantizedRows {
+  std::vector<int8_t> values;
+  std::vector<float> step;
+  std::vector<int32_t> sum;
+  std::vector<float> step_sum;
+};
 
-// R rows' groups straight from the record's bytes, each chunk unpacked into registers: the same
-// chains in the same order as rows_group (for calls of few rows, where unpacking once into a
-// buffer costs more than unpacking once per pair of rows).
-template <int R>
-inline void rows_group_direct(const uint8_t* bytes, const float* const* slots, const float* sums,
-                              const __m256* scales, float* const* totals) {
-  __m256 even_lo[R], odd_lo[R], even_hi[R], odd_hi[R];
-  for (int r = 0; r < R; ++r) even_lo[r] = odd_lo[r] = even_hi[r] = odd_hi[r] = _mm256_setzero_ps();
-#pragma GCC unroll 8
-  for (int c = 0; c < kChunks; ++c) {
-    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c)));
-    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * c + 16)));
-    // one slot at a time: 8 accumulators, 2 words, 2 weights and a broadcast stay in registers
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const __m256i mask = _mm256_set1_epi32(static_cast<int>(kMask[k]));
-      const __m256 w_lo = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
-      const __m256 w_hi = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
-      slot_step<R>(k, w_lo, w_hi, slots, 4 * c + k, even_lo, even_hi, odd_lo, odd_hi);
-    }
-  }
-  for (int r = 0; r < R; ++r) finish(even_lo[r], odd_lo[r], even_hi[r], odd_hi[r], sums[r], scales, totals[r]);
-}
-
-// Each row's inputs as fp32 in slot order and scaled ([rows, in]), and its sums per group
-// ([rows, groups], summed in input order).
-void prepare(const c10::BFloat16* x, int64_t rows, int64_t in_features, std::vector<float>& slots,
-             std::vector<float>& sums) {
+void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t in_features, QuantizedRows& q) {
   const int64_t groups = in_features / kGroup;
-  slots.resize(rows * in_features);
-  sums.resize(rows * groups);
+  q.values.resize(rows * in_features);
+  q.step.resize(rows * groups);
+  q.sum.resize(rows * groups);
+  q.step_sum.resize(rows * groups);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const c10::BFloat16* in = x + m * in_features + g * kGroup;
-      float* out = slots.data() + m * in_features + g * kGroup;
-      float sum = 0.0f;
-      for (int i = 0; i < kGroup; ++i) sum += static_cast<float>(in[i]);
-      sums[m * groups + g] = sum;
-      for (int c = 0; c < kChunks; ++c) {
-        for (int k = 0; k < 4; ++k) out[4 * c + k] = static_cast<float>(in[4 * c + kOffset[k]]) * kFactor[k];
+      float amax = 0.0f;
+      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(in[i])));
+      const float inverse = amax > 0.0f ? kLargest / amax : 0.0f;
+      int8_t* out = q.values.data() + m * in_features + g * kGroup;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int value = static_cast<int>(std::nearbyint(static_cast<float>(in[i]) * inverse));
+        out[i] = static_cast<int8_t>(std::clamp(value, -kLargest, kLargest));
+        sum += out[i];
+      }
+      const float step = amax / kLargest;
+      q.step[m * groups + g] = step;
+      q.sum[m * groups + g] = sum;
+      q.step_sum[m * groups + g] = step * static_cast<float>(sum);
+    }
+  }
+}
+
+// R rows' group (one record): D per channel by integer dot products, then each row's fp32 totals
+// += float(D - 8 S) * (scale * d) + zero * (d * S). ``xs[r]``: row r's 32 quantized values.
+template <int R>
+inline void rows_group(const uint8_t* record, const int8_t* const* xs, const float* steps, const int32_t* sums,
+                       const float* step_sums, const __m256* scales, float* const* totals) {
+  __m256i first[R], second[R];  // int16 sums of chunks 0-3 and 4-7 per channel
+  for (int r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32 * c));
+    const __m256i q01 = _mm256_and_si256(bytes, low);  // per channel: inputs 4c, 4c + 1
+    const __m256i q23 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);  // inputs 4c + 2, 4c + 3
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int16_t x01, x23;
+      std::memcpy(&x01, xs[r] + 4 * c, 2);
+      std::memcpy(&x23, xs[r] + 4 * c + 2, 2);
+      const __m256i dot = _mm256_add_epi16(_mm256_maddubs_epi16(q01, _mm256_set1_epi16(x01)),
+                                           _mm256_maddubs_epi16(q23, _mm256_set1_epi16(x23)));
+      if (c < kChunks / 2) {
+        first[r] = _mm256_add_epi16(first[r], dot);
+      } else {
+        second[r] = _mm256_add_epi16(second[r], dot);
       }
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256i minus8s = _mm256_set1_epi32(-8 * sums[r]);
+    const __m256i t_lo = _mm256_add_epi32(_mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(first[r])),
+                                                           _mm256_cvtepi16_epi32(_mm256_castsi256_si128(second[r]))),
+                                          minus8s);  // channels 0-7
+    const __m256i t_hi = _mm256_add_epi32(
+        _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(first[r], 1)),
+                         _mm256_cvtepi16_epi32(_mm256_extracti128_si256(second[r], 1))),
+        minus8s);  // channels 8-15
+    const __m256 step = _mm256_set1_ps(steps[r]), step_sum = _mm256_set1_ps(step_sums[r]);
+    float* total = totals[r];
+    const __m256 lo =
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(t_lo), _mm256_mul_ps(scales[0], step), _mm256_loadu_ps(total));
+    const __m256 hi =
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(t_hi), _mm256_mul_ps(scales[1], step), _mm256_loadu_ps(total + 8));
+    _mm256_storeu_ps(total, _mm256_fmadd_ps(scales[2], step_sum, lo));
+    _mm256_storeu_ps(total + 8, _mm256_fmadd_ps(scales[3], step_sum, hi));
   }
 }
 
@@ -158,14 +151,13 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(groups * kGroup == in_features && packed.size(2) == kBytes, "int4_mm: packed does not fit x");
   at::Tensor out = at::empty({rows, blocks * kBlock}, x.options());
   if (rows == 0) return out;
-  std::vector<float> slots, sums;
-  prepare(x.data_ptr<at::BFloat16>(), rows, in_features, slots, sums);
+  QuantizedRows q;
+  quantize_rows(x.data_ptr<at::BFloat16>(), rows, in_features, q);
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   auto* result = out.data_ptr<at::BFloat16>();
   const int64_t out_features = blocks * kBlock;
   const int64_t last = blocks * groups - 1;  // the last record (prefetches stay within the weights)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float unpacked[kGroup * kBlock];
     // [rows, 16] fp32 sums of the current block, on cache lines of this thread's own (64-byte aligned,
     // padded): the threads write their sums after every record
     std::vector<float> storage(rows * kBlock + 2 * kLine);
@@ -181,18 +173,24 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
         }
         const __m256 scales[4] = {bf16_to_fp32(record + kNibbles), bf16_to_fp32(record + kNibbles + 16),
                                   bf16_to_fp32(record + kNibbles + 32), bf16_to_fp32(record + kNibbles + 48)};
-        const float* row_slots = slots.data() + g * kGroup;  // row m's at + m * in_features
-        const bool direct = rows <= kDirectRows;
-        if (!direct) unpack(record, unpacked);
-        for (int64_t m = 0; m < rows; m += 2) {
-          const int64_t next = std::min(m + 1, rows - 1);  // the pair, or the last row alone
-          const float* pair[2] = {row_slots + m * in_features, row_slots + next * in_features};
-          const float pair_sums[2] = {sums[m * groups + g], sums[next * groups + g]};
-          float* pair_totals[2] = {totals + m * kBlock, totals + next * kBlock};
-          if (next == m && direct) rows_group_direct<1>(record, pair, pair_sums, scales, pair_totals);
-          if (next == m && !direct) rows_group<1>(unpacked, pair, pair_sums, scales, pair_totals);
-          if (next != m && direct) rows_group_direct<2>(record, pair, pair_sums, scales, pair_totals);
-          if (next != m && !direct) rows_group<2>(unpacked, pair, pair_sums, scales, pair_totals);
+        for (int64_t m = 0; m < rows; m += kRowsAtOnce) {
+          const int count = static_cast<int>(std::min<int64_t>(kRowsAtOnce, rows - m));
+          const int8_t* xs[kRowsAtOnce];
+          float* row_totals[kRowsAtOnce];
+          float steps[kRowsAtOnce], step_sums[kRowsAtOnce];
+          int32_t sums[kRowsAtOnce];
+          for (int r = 0; r < count; ++r) {
+            const int64_t at = (m + r) * groups + g;
+            xs[r] = q.values.data() + (m + r) * in_features + g * kGroup;
+            row_totals[r] = totals + (m + r) * kBlock;
+            steps[r] = q.step[at];
+            sums[r] = q.sum[at];
+            step_sums[r] = q.step_sum[at];
+          }
+          if (count == 1) rows_group<1>(record, xs, steps, sums, step_sums, scales, row_totals);
+          if (count == 2) rows_group<2>(record, xs, steps, sums, step_sums, scales, row_totals);
+          if (count == 3) rows_group<3>(record, xs, steps, sums, step_sums, scales, row_totals);
+          if (count == 4) rows_group<4>(record, xs, steps, sums, step_sums, scales, row_totals);
         }
       }
       for (int64_t m = 0; m < rows; ++m) {
@@ -204,7 +202,6 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
   });
   return out;
 }
-
 
 // ---------------------------------------------------------------- int8 or bf16 weights x bf16 (the AVX2 build only)
 //

@@ -36,8 +36,8 @@ def compile_wanted(args: argparse.Namespace) -> bool:
 
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
     parser.add_argument("--drafter", default=default_drafter,
-                        help="auto (default: the trained heads that fit the model, shipped for the default "
-                        "model; else lookup), none, lookup, draft, medusa, markov, eagle3")  # fmt: skip
+                        help="auto (default: the trained drafter in --heads DIR; else lookup), none, lookup, "
+                        "draft, medusa, markov, eagle3")  # fmt: skip
     parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind)
     add_draft_options(parser)
 

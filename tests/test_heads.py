@@ -142,7 +142,7 @@ def test_corrupt_or_missing_files(tiny: LoadedModel, tmp_path: Path) -> None:
 def test_auto_runs_the_trained_drafter_that_fits(tiny: LoadedModel, tmp_path: Path) -> None:
     from tests.test_eagle3 import layer_dir
 
-    # the shipped heads were trained for the default model, not this one: prompt lookup
+    # no --heads: prompt lookup
     assert auto_choice(tiny, DrafterOptions()) == "lookup"
     assert load(loaded=tiny, calibrate=False).drafter_name == "lookup"
     for kind in ("markov", "medusa"):
@@ -163,7 +163,7 @@ def test_shipped_default_heads_match_plain_decoding() -> None:
     questions = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "mt-bench-other16.jsonl"
     prompts = [json.loads(line)["turns"][0] for line in questions.read_text().splitlines()[:2]]
     target = load_model("default", "native", "float32")
-    assert auto_choice(target, DrafterOptions()) == "markov"  # the default drafter of the default model
+    assert auto_choice(target, DrafterOptions()) == "lookup"  # the default drafter, even where trained heads fit
     plain = load(loaded=target, drafter="none", calibrate=False)
     expected = [plain.generate(prompt, max_new_tokens=64, chat=True).token_ids for prompt in prompts]
     for kind in ("markov", "medusa"):

@@ -13,7 +13,7 @@ zero``, scales and zeros in bf16, bf16 activations, fp32 sums, bf16 output); onl
 differs. The AVX2 build (since stop 25) first quantizes each row's activations to int8 per group of 32
 inputs, as llama.cpp's Q4_1 x Q8_1 product does, and sums exact integer dot products
 (``Build.int8_activations``; ``quantize_activations`` is its rounding, docs/int4-kernel.md): a
-product of 2-4 rows then costs about what one costs (memory-bound), against ~2x-3x with fp32
+product of 2 / 4 rows then costs ~1.3x / ~1.7x one row, against ~2x / ~2.7x with fp32
 multiply-adds. Every output element is computed by the same instructions whatever the row count and
 the thread count, so the product is row-invariant, which exactness needs (docs/exactness.md).
 

@@ -39,9 +39,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # and computing one row as two inside a graph lets inductor fuse the copy into the norm before it,
 # which changes that norm's rounding; a padded row costs about nothing there (memory-bound).
 COMPILE_BUCKETS = (2, 4, 8, 16, 32)
-# int4/int8 kernels are row-invariant from one row up but cost much more per extra row (measured,
-# int4, ms per pass over 1/2/4/8/16 new tokens: 10/15/20/26/42), so trees stay small: finer
-# buckets there, none of 32.
+# int4/int8 kernels are row-invariant from one row up but cost more per extra row (measured at
+# compile, int4, AVX2 build of stop 25, ms per pass over 1/2/4/8/16 new tokens: 5.3/7.5/10.2/17.6/34.1;
+# stop 20's torch kernel: 10/15/20/26/42), so trees stay small: finer buckets there, none of 32.
 QUANTIZED_BUCKETS = (1, 2, 4, 8, 16)
 
 

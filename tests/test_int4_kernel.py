@@ -227,21 +227,36 @@ def test_the_other_builds_pass_the_kernel_tests(isa: str) -> None:
 
 @needs_int8
 def test_int8_records_and_products() -> None:
-    """The AVX2 build's int8 product: records hold each input's 16 channels; products stay within
-    bf16 rounding of the float64 product with bf16 scales; the weight read back is the one given."""
+    """The AVX2 build's int8 product: records hold each block's 8 channels per group of 32 inputs;
+    the weight read back is the one given; each row's result is its int8-rounded activations'
+    exact integer dot products per group, scaled by the group's step (fp32 sums, in group order)
+    and the channel's bf16 scale, rounded once to bf16; and within that rounding plus half a step
+    per input of the exact product."""
     generator = torch.Generator().manual_seed(11)
     quantized = quantize_int8(torch.randn(48, 96, generator=generator))
     linear = Int8Linear(quantized, None)
-    assert linear.kernel == "blocks" and linear.qweight.shape == (3, 96, 16)
-    assert torch.equal(linear.qweight[1, 5], quantized.values[16:32, 5])
-    assert torch.equal(int4_kernel.unpack_channels(linear.qweight), quantized.values)
+    assert linear.kernel == "blocks" and linear.qweight.shape == (6, 3, 8, 32)
+    assert torch.equal(linear.qweight[1, 2, 5], quantized.values[13, 64:96])
+    assert torch.equal(int4_kernel.unpack_int8_records(linear.qweight), quantized.values)
     x = torch.randn(5, 96, generator=generator).to(torch.bfloat16)
-    weight = quantized.values.double() * quantized.scales.to(torch.bfloat16).double()[:, None]
+    x[2, 32:64] = 0  # a group of zeros (step 0)
+    got = linear(x).double()
+    values, steps = int4_kernel.quantize_activations(x)  # [5, 3, 32], [5, 3, 1]
+    q = quantized.values.double().reshape(48, 3, 32)
+    dots = torch.einsum("mgk,ngk->mng", values.double(), q)  # exact integers [5, 48, 3]
+    scales = quantized.scales.to(torch.bfloat16).double()
+    terms = dots * steps.squeeze(-1).double()[:, None]  # [5, 48, 3]
+    reference = terms.sum(dim=-1) * scales  # [5, 48]
+    bound = reference.abs() * 2**-8 + 1e-6 * terms.abs().sum(dim=-1) * scales.abs()
+    assert ((got - reference).abs() <= bound).all()
+    weight = quantized.values.double() * scales[:, None]
     exact = x.double() @ weight.t()
-    bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ weight.abs().t())
-    assert ((linear(x).double() - exact).abs() <= bound).all()
-    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, quantized.values.contiguous(), linear.scales)
-    assert ((torch_kernel.double() - exact).abs() <= bound).all()  # the same bound holds torch's kernel
+    rounding = steps.double().expand(-1, -1, 32).reshape(5, 96) * 0.5  # per input
+    assert ((got - exact).abs() <= bound + rounding @ weight.abs().t()).all()
+    assert not torch.equal(got, exact.to(torch.bfloat16).double())  # the activations' rounding shows
+    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, quantized.values.contiguous(), linear.scales).double()
+    torch_bound = exact.abs() * 2**-8 + 1e-5 * (x.double().abs() @ weight.abs().t())
+    assert ((torch_kernel - exact).abs() <= torch_bound).all()  # torch's kernel: bf16 activations
 
 
 @needs_int8
@@ -266,14 +281,17 @@ def assert_rows_as_if_alone(linear: torch.nn.Module, x: torch.Tensor) -> None:
 
 @needs_int8
 def test_int8_bad_operands_are_refused_by_the_kernel() -> None:
-    packed = int4_kernel.pack_channels(torch.zeros(16, 64, dtype=torch.int8))
+    packed = int4_kernel.pack_int8_records(torch.zeros(16, 64, dtype=torch.int8))
     scales = torch.ones(16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="packed does not fit x"):
         int4_kernel.int8_product(torch.zeros(2, 32, dtype=torch.bfloat16), packed, scales)
     with pytest.raises(RuntimeError, match="scales"):
         int4_kernel.int8_product(torch.zeros(2, 64, dtype=torch.bfloat16), packed, scales[:8])
-    with pytest.raises(ValueError, match="out % 16"):
-        int4_kernel.pack_channels(torch.zeros(8, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="out % 8"):
+        int4_kernel.pack_int8_records(torch.zeros(12, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="in % 32"):
+        int4_kernel.pack_int8_records(torch.zeros(16, 48, dtype=torch.int8))
+    assert Int8Linear(quantize_int8(torch.randn(16, 48)), None).kernel == "torch"  # in % 32: torch's kernel
 
 
 @needs_int8

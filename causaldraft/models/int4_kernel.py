@@ -56,7 +56,7 @@ class Build:
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     wide: bool = False  # also defines ``causaldraft::int8_mm`` and ``causaldraft::bf16_mm``
-    int8_activations: bool = False  # int4_mm rounds activations as ``quantize_activations`` does
+    int8_activations: bool = False  # int4_mm (and int8_mm) round activations as ``quantize_activations`` does
 
 
 # In order of preference. Both read the same records; the AVX2 build rounds activations to int8 per
@@ -75,6 +75,7 @@ BUILDS = (
 SOURCES = tuple(build.source for build in BUILDS)
 BLOCK = 16  # output channels per record
 GROUP = 32  # inputs per record (the quantization group)
+INT8_BLOCK = 8  # output channels per record of ``int8_mm`` (one int32 lane each)
 RECORD_BYTES = BLOCK * GROUP // 2 + 4 * BLOCK
 SWITCH = "CAUSALDRAFT_INT4_KERNEL"  # "torch": always torch's kernel; "avx2": the AVX2 build even where AVX-512 is
 
@@ -156,7 +157,7 @@ def wide_available() -> bool:
 
 def shape_of_int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """What ``int8_mm`` returns, for tracing: [rows, out] bf16."""
-    return x.new_empty((x.shape[0], packed.shape[0] * BLOCK))
+    return x.new_empty((x.shape[0], packed.shape[0] * INT8_BLOCK))
 
 
 def shape_of_bf16_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -165,8 +166,7 @@ def shape_of_bf16_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor
 
 
 def pack_channels(values: torch.Tensor) -> torch.Tensor:
-    """int8 or bf16 weights [out, in] -> ``int8_mm``'s / ``bf16_mm``'s records [out / 16, in, 16]
-    (each input's 16 channels)."""
+    """bf16 weights [out, in] -> ``bf16_mm``'s records [out / 16, in, 16] (each input's 16 channels)."""
     out_features, in_features = values.shape
     if out_features % BLOCK or in_features % 2:
         raise ValueError(f"channel blocks need out % {BLOCK} == 0 and an even in, got {tuple(values.shape)}")
@@ -179,8 +179,26 @@ def unpack_channels(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(blocks * BLOCK, in_features)
 
 
+def pack_int8_records(values: torch.Tensor) -> torch.Tensor:
+    """int8 weights [out, in] -> ``int8_mm``'s records [out / 8, in / 32, 8, 32]: per block of 8
+    channels and group of 32 inputs, each channel's 32 weights in input order."""
+    out_features, in_features = values.shape
+    if out_features % INT8_BLOCK or in_features % GROUP:
+        raise ValueError(f"int8 records need out % {INT8_BLOCK} == 0 and in % {GROUP} == 0, got {tuple(values.shape)}")
+    grouped = values.reshape(out_features // INT8_BLOCK, INT8_BLOCK, in_features // GROUP, GROUP)
+    return grouped.permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8_records(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_int8_records``'s inverse: [out, in]."""
+    blocks, groups, channels, group = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(blocks * channels, groups * group)
+
+
 def int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[m, in] bf16 contiguous rows times int8 records with [out] bf16 scales: [m, out] bf16."""
+    """[m, in] bf16 contiguous rows times int8 records with [out] bf16 scales: [m, out] bf16. The
+    activations are rounded to int8 per group as ``quantize_activations`` states and the products
+    summed in exact integers per group (docs/int4-kernel.md)."""
     return torch.ops.causaldraft.int8_mm(x, packed, scales)
 
 

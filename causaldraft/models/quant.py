@@ -136,22 +136,23 @@ def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale).T + bias`` with bfloat16 activations.
 
-    ``kernel``: "blocks" (causaldraft's AVX2 build, ``int4_kernel.int8_product``: records of 16
-    channels per input, fp32 multiply-adds, row-invariant by construction) where it is loaded and
-    out_features is a multiple of 16, else "torch" (``_weight_int8pack_mm``). Both take the
-    scales in bf16."""
+    ``kernel``: "blocks" (causaldraft's AVX2 build, ``int4_kernel.int8_product``: activations
+    rounded to int8 per group of 32 inputs, exact integer dot products, row-invariant by
+    construction) where it is loaded, out_features is a multiple of 8 and in_features of 32, else
+    "torch" (``_weight_int8pack_mm``, bf16 activations). Both take the scales in bf16."""
 
-    qweight: torch.Tensor  # torch: [out, in] int8; blocks: [out / 16, in, 16] int8
+    qweight: torch.Tensor  # torch: [out, in] int8; blocks: [out / 8, in / 32, 8, 32] int8
     scales: torch.Tensor  # [out] bfloat16
     bias: torch.Tensor | None  # [out] bfloat16
 
     def __init__(self, weights: Int8Weights, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.values.shape
-        blocks = self.out_features % int4_kernel.BLOCK == 0 and int4_kernel.wide_available()
+        fits = self.out_features % int4_kernel.INT8_BLOCK == 0 and self.in_features % int4_kernel.GROUP == 0
+        blocks = fits and int4_kernel.wide_available()
         self.kernel = "blocks" if blocks else "torch"
         if blocks:
-            self.register_buffer("qweight", int4_kernel.pack_channels(weights.values))
+            self.register_buffer("qweight", int4_kernel.pack_int8_records(weights.values))
         else:  # a fresh (aligned) copy: the kernel crashes on tensors read unaligned from safetensors
             self.register_buffer("qweight", weights.values.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weights.scales.to(ACTIVATION_DTYPE))  # [out]
@@ -160,7 +161,7 @@ class Int8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] in bfloat16 (materialised on every call)."""
-        values = int4_kernel.unpack_channels(self.qweight) if self.kernel == "blocks" else self.qweight
+        values = int4_kernel.unpack_int8_records(self.qweight) if self.kernel == "blocks" else self.qweight
         return (values.float() * self.scales.float()[:, None]).to(ACTIVATION_DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,35 +3,16 @@
 An index from n-gram to the positions that follow it is extended incrementally as tokens arrive.
 Longer n-grams are tried first; the most recent occurrences first. Several distinct
 continuations become a tree sharing prefixes (a trie).
-
-Scores: a copied continuation is either wrong at once or right for a while, so the first token and
-each further token (given the previous ones matched) get separate running rates, and the first
-token's rate is kept per size of the n-gram that matched: a continuation found after three matching
-tokens is right far more often than one found after a single token (greedy answers to MT-bench
-questions, offline: 85 % / 54 % / 22 % for 3- / 2- / 1-grams), and the budget (``adapt``) then drafts
-the sure ones deep and leaves the unsure ones out.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.tree import TreeDraft, merge_paths
-
-FIRST_RATE = 0.5  # the first token's rate before any step of a request was verified
-CONTINUE_RATE = 0.7
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """What followed an earlier occurrence of the latest ``ngram`` tokens."""
-
-    tokens: tuple[int, ...]
-    ngram: int
 
 
 class LookupDrafter:
@@ -43,10 +24,10 @@ class LookupDrafter:
         self.min_ngram = min_ngram
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
         self.indexed = 0
-        # P(first proposed token accepted), by the size of the n-gram that matched
-        self.first_rate = {size: FIRST_RATE for size in range(min_ngram, max_ngram + 1)}
-        self.continue_rate = CONTINUE_RATE  # P(token k+1 accepted | tokens 1..k accepted)
-        self.proposed_ngram = 0  # the n-gram size of the last draft's first continuation (0: none)
+        # Scores: a copied continuation is either wrong at once or right for a while, so the first
+        # token and each further token (given the previous ones matched) get separate running rates.
+        self.first_rate = 0.5  # P(first proposed token accepted)
+        self.continue_rate = 0.7  # P(token k+1 accepted | tokens 1..k accepted)
 
     def fork(self) -> LookupDrafter:
         return LookupDrafter(self.max_ngram, self.min_ngram)
@@ -63,10 +44,10 @@ class LookupDrafter:
                     self.index[tokens[end - size : end]].append(end)
         self.indexed = max(self.indexed, len(tokens))
 
-    def continuations(self, tokens: tuple[int, ...], depth: int, limit: int) -> list[Continuation]:
+    def continuations(self, tokens: tuple[int, ...], depth: int, limit: int) -> list[tuple[int, ...]]:
         """Up to ``limit`` distinct continuations (length <= depth) of the latest n-gram."""
         self.update_index(tokens)
-        found: list[Continuation] = []
+        found: list[tuple[int, ...]] = []
         for size in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < size:
                 continue
@@ -75,8 +56,8 @@ class LookupDrafter:
                 if start >= len(tokens):
                     continue
                 continuation = tokens[start : start + depth]
-                if continuation and not any(seen.tokens[: len(continuation)] == continuation for seen in found):
-                    found.append(Continuation(continuation, size))
+                if continuation and not any(seen[: len(continuation)] == continuation for seen in found):
+                    found.append(continuation)
                 if len(found) >= limit:
                     return found
         return found
@@ -84,37 +65,33 @@ class LookupDrafter:
     def propose(self, context: DraftContext) -> Draft:
         limit = 1 if context.tree_kind == "chain" else context.width
         paths = self.continuations(context.tokens, context.depth, limit)
-        self.proposed_ngram = paths[0].ngram if paths else 0
         draft = TreeDraft(parents=[-1], tokens=[context.tokens[-1]], scores=[1.0])
         for rank, path in enumerate(paths):
-            for offset in range(len(path.tokens)):
-                score = self.score(offset, rank, path.ngram)
-                merge_paths(draft, [path.tokens[: offset + 1]], score, context.max_nodes)
+            for offset in range(len(path)):
+                merge_paths(draft, [path[: offset + 1]], self.score(offset, rank), context.max_nodes)
         return Draft.from_tree_draft(draft)
 
-    def score(self, offset: int, rank: int, ngram: int) -> float:
-        """Estimated probability that the ``rank``-th continuation, found after a matching
-        ``ngram``, is accepted through ``offset``."""
-        return self.first_rate[ngram] * self.continue_rate**offset / (rank + 1)
+    def score(self, offset: int, rank: int) -> float:
+        """Estimated probability that the ``rank``-th continuation is accepted through ``offset``."""
+        return self.first_rate * self.continue_rate**offset / (rank + 1)
 
-    def record(self, matched: int, proposed: int, ngram: int) -> None:
-        """Fold in that the first ``matched`` of ``proposed`` tokens of a continuation found after a
-        matching ``ngram`` were accepted."""
+    def record(self, matched: int, proposed: int) -> None:
+        """Fold in that the first ``matched`` of ``proposed`` continuation tokens were accepted."""
         if proposed < 1:
             return
-        first = 0.9 * self.first_rate[ngram] + 0.1 * float(matched >= 1)
-        self.first_rate[ngram] = min(0.95, max(0.05, first))
+        self.first_rate = 0.9 * self.first_rate + 0.1 * float(matched >= 1)
         for offset in range(1, min(matched + 1, proposed)):  # token offset+1 given tokens 1..offset
             self.continue_rate = 0.95 * self.continue_rate + 0.05 * float(matched > offset)
+        self.first_rate = min(0.95, max(0.05, self.first_rate))
         self.continue_rate = min(0.98, max(0.05, self.continue_rate))
 
     def observe(self, result: StepResult) -> None:
         tree = result.draft.tree
-        if tree.size > 1 and self.proposed_ngram:
+        if tree.size > 1:
             depth = [0] * tree.size
             for node in range(1, tree.size):
                 depth[node] = depth[tree.parents[node]] + 1
-            self.record(len(result.acceptance.path) - 1, max(depth), self.proposed_ngram)
+            self.record(len(result.acceptance.path) - 1, max(depth))
 
 
 class LookupMerge:
@@ -123,42 +100,41 @@ class LookupMerge:
 
     def __init__(self) -> None:
         self.lookup = LookupDrafter()
-        self.last: Continuation | None = None  # the first path proposed, whose acceptance is recorded
+        self.last: tuple[int, ...] = ()  # the first path proposed, whose acceptance is recorded
 
     def start(self, prompt: tuple[int, ...]) -> None:
         self.lookup.start(prompt)
-        self.last = None
+        self.last = ()
 
-    def paths(self, context: DraftContext) -> list[Continuation]:
+    def paths(self, context: DraftContext) -> list[tuple[int, ...]]:
         limit = 1 if context.tree_kind == "chain" else 2
         paths = self.lookup.continuations(context.tokens, context.depth, limit)
-        self.last = paths[0] if paths else None
+        self.last = paths[0] if paths else ()
         return paths
 
     @staticmethod
-    def reserve(paths: list[Continuation]) -> int:
+    def reserve(paths: list[tuple[int, ...]]) -> int:
         """Tree nodes the paths may add (distinct prefixes)."""
-        return len({path.tokens[:end] for path in paths for end in range(1, len(path.tokens) + 1)})
+        return len({path[:end] for path in paths for end in range(1, len(path) + 1)})
 
-    def scores(self, paths: list[Continuation]) -> list[float]:
+    def scores(self, paths: list[tuple[int, ...]]) -> list[float]:
         """The scores ``merge`` gives the paths' nodes (a shared prefix once, at its best score)."""
         best: dict[tuple[int, ...], float] = {}
         for rank, path in enumerate(paths):
-            for end in range(1, len(path.tokens) + 1):
-                score = self.lookup.score(end - 1, rank, path.ngram)
-                best[path.tokens[:end]] = max(best.get(path.tokens[:end], 0.0), score)
+            for end in range(1, len(path) + 1):
+                best[path[:end]] = max(best.get(path[:end], 0.0), self.lookup.score(end - 1, rank))
         return list(best.values())
 
-    def merge(self, draft: TreeDraft, paths: list[Continuation], max_nodes: int) -> None:
+    def merge(self, draft: TreeDraft, paths: list[tuple[int, ...]], max_nodes: int) -> None:
         for rank, path in enumerate(paths):
-            for end in range(1, len(path.tokens) + 1):
-                merge_paths(draft, [path.tokens[:end]], self.lookup.score(end - 1, rank, path.ngram), max_nodes)
+            for end in range(1, len(path) + 1):
+                merge_paths(draft, [path[:end]], self.lookup.score(end - 1, rank), max_nodes)
 
     def observe(self, result: StepResult) -> None:
-        if self.last is None:
+        if not self.last:
             return
-        emitted, proposed = result.acceptance.tokens, self.last.tokens
+        emitted = result.acceptance.tokens
         matched = 0
-        while matched < min(len(emitted), len(proposed)) and emitted[matched] == proposed[matched]:
+        while matched < min(len(emitted), len(self.last)) and emitted[matched] == self.last[matched]:
             matched += 1
-        self.lookup.record(matched, len(proposed), self.last.ngram)
+        self.lookup.record(matched, len(self.last))

@@ -134,7 +134,8 @@ def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ (q * scale).T + bias`` with bfloat16 activations.
+    """``y = x @ (q * scale).T + bias`` with bfloat16 activations (which the AVX2 kernel rounds to
+    int8 per group before its integer products).
 
     ``kernel``: "blocks" (causaldraft's AVX2 build, ``int4_kernel.int8_product``: activations
     rounded to int8 per group of 32 inputs, exact integer dot products, row-invariant by

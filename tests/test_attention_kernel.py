@@ -1,6 +1,7 @@
-"""The attention kernel for fp32 caches (causaldraft/models/kernels/attention.cpp): it computes
-attention over exactly the slots a row sees, and each row's result depends on nothing else: not
-the pass's other rows, the tree, the padding, the other sequences of a batch or the thread count."""
+"""The attention kernel for fp32 and bf16 caches (causaldraft/models/kernels/attention.cpp): it
+computes attention over exactly the slots a row sees, and each row's result depends on nothing else:
+not the pass's other rows, the tree, the padding, the other sequences of a batch or the thread
+count; a bf16 cache gives the bits its numbers give in an fp32 one."""
 
 from __future__ import annotations
 
@@ -119,6 +120,49 @@ def test_a_sequence_computes_the_same_bits_alone_and_batched() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, together)
+
+
+def test_a_bf16_cache_gives_the_bits_of_the_same_numbers_in_fp32() -> None:
+    """bf16 entries are widened exactly as they are loaded: a tree pass and a one-row pass over a
+    bf16 cache equal the same passes over its values held in fp32, bit for bit."""
+    length = 2 * KEY_BLOCK + 5
+    keys, values = (tensor.bfloat16() for tensor in cache(11))
+    for parents in ([-1], [-1, 0, 0, 1, 2]):
+        mask, positions = tree_layout(length, parents)
+        q = queries(12, len(parents)).bfloat16().float()
+        layout = layout_of(mask, positions, length).tensors()
+        half = attention_kernel.attend(q, keys, values, *layout)
+        assert torch.equal(half, attention_kernel.attend(q, keys.float(), values.float(), *layout))
+        torch.testing.assert_close(half.double(), reference(q, keys.float(), values.float(), mask)[None],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_padding_rows_see_one_slot() -> None:
+    """A pass padded past its rows: the padding rows see tail position 0 alone (not the head), and
+    the real rows are computed as without padding."""
+    length = KEY_BLOCK + 20
+    keys, values = cache(15)
+    mask, positions = tree_layout(length, [-1, 0])
+    q = queries(16, 8)
+    padded = layout_of(mask, positions, length, rows=8)
+    seen = padded.seen[0]
+    assert seen[:2, :KEY_BLOCK].all() and not seen[2:, :KEY_BLOCK].any()
+    assert seen[2:, KEY_BLOCK].all() and seen[2:].sum() == 6
+    out = attention_kernel.attend(q, keys, values, *padded.tensors())
+    alone = attention_kernel.attend(q[:, :, :2], keys, values, *layout_of(mask, positions, length).tensors())
+    assert torch.equal(out[:, :, :2], alone)
+    first_tail = values[0, :, KEY_BLOCK].repeat_interleave(HEADS // KV_HEADS, dim=0)  # slot T: tail position 0
+    torch.testing.assert_close(out[0, :, 2:], first_tail[:, None].expand(HEADS, 6, HEAD_DIM))
+
+
+def test_kernel_refuses_mixed_or_other_cache_dtypes() -> None:
+    keys, values = cache(13)
+    mask, positions = tree_layout(10, [-1, 0])
+    layout = layout_of(mask, positions, 10).tensors()
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        attention_kernel.attend(queries(14, 2), keys.bfloat16(), values, *layout)
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        attention_kernel.attend(queries(14, 2), keys.half(), values.half(), *layout)
 
 
 def test_kernel_refuses_a_layout_that_does_not_fit() -> None:

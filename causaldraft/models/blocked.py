@@ -75,18 +75,21 @@ class BlockedKeys:
 @dataclass(frozen=True)
 class SequenceKeys:
     """One sequence's layout on the host, before sequences are stacked: its own head ``head``,
-    ``tail_seen`` [rows, KEY_BLOCK] bool by tail position, ``tail_slots`` [rows, KEY_BLOCK] absolute."""
+    ``tail_seen`` [rows, KEY_BLOCK] bool by tail position, ``tail_slots`` [rows, KEY_BLOCK] absolute;
+    the first ``real`` rows are the pass's, the rest padding (they see tail position 0 alone, not
+    the head: their output is discarded, and the attention kernel then spends nothing on them)."""
 
     head: int
     tail_seen: np.ndarray
     tail_slots: np.ndarray
+    real: int
 
     @staticmethod
     def padding(rows: int) -> SequenceKeys:
         """A sequence slot with nothing to compute: each row sees slot 0 only (no empty softmax)."""
         seen = np.zeros((rows, KEY_BLOCK), dtype=bool)
         seen[:, 0] = True
-        return SequenceKeys(0, seen, np.zeros((rows, KEY_BLOCK), dtype=np.int64))
+        return SequenceKeys(0, seen, np.zeros((rows, KEY_BLOCK), dtype=np.int64), 0)
 
 
 def head_length(length: int) -> int:
@@ -126,7 +129,7 @@ def sequence_keys(mask: torch.Tensor, positions: torch.Tensor, length: int, rows
     row_index, slot_index = tail.nonzero()  # row-major: each row's slots in order
     tail_slots[row_index, tail.cumsum(axis=1)[row_index, slot_index] - 1] = head + slot_index
     tail_seen = np.arange(KEY_BLOCK)[None, :] < counts[:, None]
-    return SequenceKeys(head, tail_seen, tail_slots)
+    return SequenceKeys(head, tail_seen, tail_slots, n)
 
 
 def stack_keys(sequences: list[SequenceKeys]) -> BlockedKeys:
@@ -135,7 +138,7 @@ def stack_keys(sequences: list[SequenceKeys]) -> BlockedKeys:
     rows = sequences[0].tail_seen.shape[0]
     seen = np.zeros((len(sequences), rows, head + KEY_BLOCK), dtype=bool)
     for index, sequence in enumerate(sequences):
-        seen[index, :, : sequence.head] = True
+        seen[index, : sequence.real, : sequence.head] = True
         seen[index, :, head:] = sequence.tail_seen
     tail_slots = np.stack([sequence.tail_slots for sequence in sequences])
     return BlockedKeys(torch.from_numpy(seen), torch.from_numpy(tail_slots))
@@ -154,10 +157,10 @@ def attend_blocked(
     layout: BlockedKeys,
 ) -> torch.Tensor:
     """Grouped-query attention of n rows per sequence in the blocked layout: [S, nh, n, hd]
-    (scores fp32). Sequences never see each other's keys. An fp32 cache's attention runs in
-    ``attention_kernel`` where it is built (one task per row and head, the same arithmetic for any
-    row count); the rest of this function is the torch ops' version."""
-    if keys.dtype == torch.float32 and attention_kernel.available():
+    (scores fp32). Sequences never see each other's keys. Attention over an fp32 or bf16 cache runs in
+    ``attention_kernel`` where it is built (one task per row and head, fp32 arithmetic, the same for
+    any row count); the rest of this function is the torch ops' version."""
+    if keys.dtype in (torch.float32, torch.bfloat16) and attention_kernel.available():
         return attention_kernel.attend(q, keys, values, *layout.tensors()).to(q.dtype)
     sequences, heads, n, hd = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]

@@ -117,7 +117,7 @@ def code_digest() -> str:
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
     for source in int4_kernel.SOURCES:  # the graphs call its operator: a new kernel, new calibrations
         digest.update(source.read_bytes())
-    # fp32 caches' attention: the kernel's source where the graphs call it, else torch's ops
+    # blocked attention: the kernel's source where the graphs call it, else torch's ops
     digest.update(attention_kernel.SOURCE.read_bytes() if attention_kernel.available() else b"torch attention")
     return digest.hexdigest()[:16]
 

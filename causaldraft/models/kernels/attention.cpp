@@ -1,5 +1,7 @@
-// Row-invariant grouped-query attention over an fp32 KV cache in the blocked layout
-// (causaldraft/models/blocked.py; docs/exactness.md): one task per (sequence, query head, row).
+// Row-invariant grouped-query attention over a KV cache in the blocked layout (causaldraft/models/blocked.py;
+// docs/exactness.md): one task per (sequence, query head, row). The cache is fp32 (CPUs without native bf16
+// products) or bf16 (with them): a bf16 entry is widened to fp32 exactly as it is loaded, so a bf16 cache
+// gives the bits its numbers give in an fp32 one, and the arithmetic below is fp32 either way.
 //
 // A row attends to the slots it sees, in position order: the head's positions [0, T) where
 // `seen` marks them (slot == position), then its tail positions by `tail_slots` where `seen`
@@ -12,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -49,20 +52,28 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(zero_mask, result);
 }
 
+// 8 cache entries as fp32 (a bf16 value is the top half of its fp32 bits: exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+}
+
 // One row of one query head: q [hd], the row's key/value slot list, out [hd].
-void attend_row(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t count,
+template <typename Entry>
+void attend_row(const float* q, const Entry* keys, const Entry* values, const int64_t* slots, int64_t count,
                 int64_t hd, float scale, float* scores, float* out) {
   const int64_t lanes = hd / 8;
   __m256 query[16];
   for (int64_t l = 0; l < lanes; ++l) query[l] = _mm256_loadu_ps(q + 8 * l);
   float top = -INFINITY;
   for (int64_t j = 0; j < count; ++j) {
-    const float* key = keys + slots[j] * hd;
-    __m256 a = _mm256_mul_ps(query[0], _mm256_loadu_ps(key));
-    __m256 b = _mm256_mul_ps(query[1], _mm256_loadu_ps(key + 8));
+    const Entry* key = keys + slots[j] * hd;
+    __m256 a = _mm256_mul_ps(query[0], load8(key));
+    __m256 b = _mm256_mul_ps(query[1], load8(key + 8));
     for (int64_t l = 2; l < lanes; l += 2) {
-      a = _mm256_fmadd_ps(query[l], _mm256_loadu_ps(key + 8 * l), a);
-      b = _mm256_fmadd_ps(query[l + 1], _mm256_loadu_ps(key + 8 * l + 8), b);
+      a = _mm256_fmadd_ps(query[l], load8(key + 8 * l), a);
+      b = _mm256_fmadd_ps(query[l + 1], load8(key + 8 * l + 8), b);
     }
     const float score = horizontal_sum(_mm256_add_ps(a, b)) * scale;
     scores[j] = score;
@@ -82,22 +93,22 @@ void attend_row(const float* q, const float* keys, const float* values, const in
   __m256 acc[16];
   for (int64_t l = 0; l < lanes; ++l) acc[l] = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; ++j) {
-    const float* value = values + slots[j] * hd;
+    const Entry* value = values + slots[j] * hd;
     const __m256 w = _mm256_set1_ps(scores[j]);
-    for (int64_t l = 0; l < lanes; ++l) acc[l] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * l), acc[l]);
+    for (int64_t l = 0; l < lanes; ++l) acc[l] = _mm256_fmadd_ps(w, load8(value + 8 * l), acc[l]);
   }
   const __m256 inverse = _mm256_set1_ps(1.0f / total);
   for (int64_t l = 0; l < lanes; ++l) _mm256_storeu_ps(out + 8 * l, _mm256_mul_ps(acc[l], inverse));
 }
 
-// q [S, nh, n, hd] fp32; keys, values [S, kvh, capacity, hd] fp32; seen [S, n, T + B] bool;
+// q [S, nh, n, hd] fp32; keys, values [S, kvh, capacity, hd] fp32 or bf16; seen [S, n, T + B] bool;
 // tail_slots [S, n, B] int64 -> [S, nh, n, hd] fp32.
 at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                const at::Tensor& seen, const at::Tensor& tail_slots) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "attend: q must be [S, nh, n, hd] fp32");
-  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kFloat && values.sizes() == keys.sizes() &&
-                  values.scalar_type() == at::kFloat,
-              "attend: keys and values must be [S, kvh, capacity, hd] fp32");
+  TORCH_CHECK(keys.dim() == 4 && (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16) &&
+                  values.sizes() == keys.sizes() && values.scalar_type() == keys.scalar_type(),
+              "attend: keys and values must be [S, kvh, capacity, hd], both fp32 or both bf16");
   TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.stride(3) == 1 &&
                   values.stride(2) == values.size(3),
               "attend: each head's cache must be dense");
@@ -119,6 +130,7 @@ at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, cons
   const int64_t* tail_data = tail_slots.data_ptr<int64_t>();
   float* result = out.data_ptr<float>();
   const int64_t tasks = sequences * heads * n;
+  const bool half = keys.scalar_type() == at::kBFloat16;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots(width);
     std::vector<float> scores(width + 8);
@@ -134,10 +146,17 @@ at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, cons
         if (row_seen[head + t]) slots[count++] = row_tail[t];
       }
       const int64_t kv = h / group;
-      const float* key_base = keys.data_ptr<float>() + s * keys.stride(0) + kv * keys.stride(1);
-      const float* value_base = values.data_ptr<float>() + s * values.stride(0) + kv * values.stride(1);
-      attend_row(qs + ((s * heads + h) * n + r) * hd, key_base, value_base, slots.data(), count, hd, scale,
-                 scores.data(), result + ((s * heads + h) * n + r) * hd);
+      const int64_t key_at = s * keys.stride(0) + kv * keys.stride(1);
+      const int64_t value_at = s * values.stride(0) + kv * values.stride(1);
+      const float* query = qs + ((s * heads + h) * n + r) * hd;
+      float* row_out = result + ((s * heads + h) * n + r) * hd;
+      if (half) {
+        attend_row(query, keys.data_ptr<at::BFloat16>() + key_at, values.data_ptr<at::BFloat16>() + value_at,
+                   slots.data(), count, hd, scale, scores.data(), row_out);
+      } else {
+        attend_row(query, keys.data_ptr<float>() + key_at, values.data_ptr<float>() + value_at, slots.data(), count,
+                   hd, scale, scores.data(), row_out);
+      }
     }
   });
   return out;

@@ -103,6 +103,19 @@ def test_eager_tree_rows_equal_one_row_passes_layer_by_layer(
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_eager_tree_rows_equal_one_row_passes_in_torch_ops(
+    models: dict[str, LoadedModel], dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the attention kernel is not built, the blocked layout's torch ops keep rows invariant too
+    (the kernel serves every cache where it is built, so this path is not reached otherwise)."""
+    monkeypatch.setattr(attention_kernel, "available", lambda: False)
+    backend = backend_of(models[dtype])
+    layers = tuple(range(backend.llama_shape.num_layers + 1))
+    for prefix in PREFIXES:
+        assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_compiled_tree_rows_equal_one_row_passes(tiny_llama_dir: Path, graph_root: Path, dtype: str) -> None:
     """The one-row pass and the tree pass run different compiled graphs (buckets)."""
     loaded = load_model(str(tiny_llama_dir), "native", dtype)

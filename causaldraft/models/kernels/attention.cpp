@@ -11,6 +11,14 @@
 //
 // scores: s_j = (q . k_j) / sqrt(hd), each dot product in 8 lanes (fixed order, then a fixed
 // horizontal sum); m = max s_j; e_j = exp(s_j - m) (a fixed polynomial, below); out = (sum_j e_j v_j) / (sum_j e_j).
+//
+// Two builds of that one arithmetic. The AVX2 build (attend_row) runs one task per (sequence, query head,
+// row). The AVX-512 build (attend_group, compiled where __AVX512F__ is defined) runs one task per
+// (sequence, kv head, row) for the query heads that share the kv head: it widens each key and value once
+// for all of them, holds lanes 0-7 and 8-15 of the AVX2 build's two dot-product accumulators in one 16-lane
+// register, and does eight keys' horizontal sums at once in the AVX2 build's order (sum8). Every lane
+// sees the same operations in the same order as in the AVX2 build, so both builds give the same bits
+// (tests/test_attention_kernel.py checks it).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +26,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -101,6 +110,193 @@ void attend_row(const float* q, const Entry* keys, const Entry* values, const in
   for (int64_t l = 0; l < lanes; ++l) _mm256_storeu_ps(out + 8 * l, _mm256_mul_ps(acc[l], inverse));
 }
 
+#ifdef __AVX512F__
+constexpr int64_t KEYS_PER_SUM = 8;  // keys whose horizontal sums are done together
+constexpr int64_t MAX_GROUP_LANES = 16;  // accumulator registers of a head chunk: heads x hd / 16
+constexpr int64_t MAX_CHUNK = 4;  // query heads per attend_group call
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// exp_nonpositive in 16 lanes: the same operations lane by lane.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, _mm512_castsi512_ps(exponent)));
+}
+
+// horizontal_sum of x[0..7] at once: ((x_0 + x_4) + (x_2 + x_6)) + ((x_1 + x_5) + (x_3 + x_7)) in each,
+// the same additions as horizontal_sum (IEEE addition commutes), returned as [sum(x[0]), ..., sum(x[7])].
+inline __m256 sum8(const __m256* x) {
+  __m256 pairs[4];  // [x_a's 4 pair sums | x_b's]
+  for (int k = 0; k < 4; ++k) {
+    pairs[k] = _mm256_add_ps(_mm256_permute2f128_ps(x[2 * k], x[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(x[2 * k], x[2 * k + 1], 0x31));
+  }
+  __m256 twos[2];  // per 128-bit lane: [p0 + p2, p1 + p3] of two vectors
+  for (int k = 0; k < 2; ++k) {
+    twos[k] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * k], pairs[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm256_shuffle_ps(pairs[2 * k], pairs[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(twos[0], twos[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(twos[0], twos[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // sums = [x0, x2, x4, x6, x1, x3, x5, x7]
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The AVX2 build's two 8-lane accumulators of q . key, added: lanes 0-7 and 8-15 of one register.
+template <int LANES>
+inline __m256 dot_lanes(const __m512* query, const float* key) {
+  __m512 v = _mm512_mul_ps(query[0], _mm512_loadu_ps(key));
+  for (int l = 1; l < LANES; ++l) v = _mm512_fmadd_ps(query[l], _mm512_loadu_ps(key + 16 * l), v);
+  return _mm256_add_ps(_mm512_castps512_ps256(v), high_half(v));
+}
+
+// HEADS query heads of one row sharing a kv head, hd = 16 LANES (compile-time, so that the accumulators
+// stay in registers): q of head g at q + g * q_stride, out likewise; widened: [KEYS_PER_SUM * hd] fp32
+// scratch; scores: [HEADS][stride] scratch (stride >= count + 16).
+template <int LANES, int HEADS, typename Entry>
+void attend_group(const float* q, int64_t q_stride, const Entry* keys, const Entry* values, const int64_t* slots,
+                  int64_t count, float scale, float* widened, float* scores, int64_t stride, float* out) {
+  static_assert(HEADS * LANES <= MAX_GROUP_LANES, "too many accumulators");
+  constexpr int64_t lanes = LANES, heads = HEADS, hd = 16 * LANES;
+  __m512 query[MAX_GROUP_LANES];
+  __m256 top[MAX_GROUP_LANES];
+  for (int64_t g = 0; g < heads; ++g) {
+    for (int64_t l = 0; l < lanes; ++l) query[g * lanes + l] = _mm512_loadu_ps(q + g * q_stride + 16 * l);
+    top[g] = _mm256_set1_ps(-INFINITY);
+  }
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + KEYS_PER_SUM <= count; j += KEYS_PER_SUM) {
+    for (int64_t k = 0; k < KEYS_PER_SUM; ++k) {
+      const Entry* key = keys + slots[j + k] * hd;
+      for (int64_t l = 0; l < lanes; ++l) _mm512_storeu_ps(widened + k * hd + 16 * l, load16(key + 16 * l));
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      __m256 dots[KEYS_PER_SUM];
+      for (int64_t k = 0; k < KEYS_PER_SUM; ++k) dots[k] = dot_lanes<LANES>(query + g * lanes, widened + k * hd);
+      const __m256 block = _mm256_mul_ps(sum8(dots), scale8);
+      _mm256_storeu_ps(scores + g * stride + j, block);
+      top[g] = _mm256_max_ps(top[g], block);
+    }
+  }
+  for (; j < count; ++j) {
+    const Entry* key = keys + slots[j] * hd;
+    for (int64_t l = 0; l < lanes; ++l) _mm512_storeu_ps(widened + 16 * l, load16(key + 16 * l));
+    for (int64_t g = 0; g < heads; ++g) {
+      const float score = horizontal_sum(dot_lanes<LANES>(query + g * lanes, widened)) * scale;
+      scores[g * stride + j] = score;
+      top[g] = _mm256_max_ps(top[g], _mm256_set1_ps(score));
+    }
+  }
+  // exponentials in blocks of 16, their sums in 8 lanes block by block of 8 as in the AVX2 build
+  // (past the last score: -inf, whose exponential is an exact zero)
+  const int64_t padded = (count + 15) / 16 * 16;
+  float inverse[MAX_GROUP_LANES];
+  for (int64_t g = 0; g < heads; ++g) {
+    float* row = scores + g * stride;
+    for (int64_t i = count; i < padded; ++i) row[i] = -INFINITY;
+    alignas(32) float tops[8];
+    _mm256_store_ps(tops, top[g]);
+    float most = tops[0];
+    for (int i = 1; i < 8; ++i) most = tops[i] > most ? tops[i] : most;
+    const __m512 shift = _mm512_set1_ps(most);
+    __m256 sums = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift));
+      _mm512_storeu_ps(row + i, e);
+      sums = _mm256_add_ps(_mm256_add_ps(sums, _mm512_castps512_ps256(e)), high_half(e));
+    }
+    inverse[g] = 1.0f / horizontal_sum(sums);
+  }
+  __m512 acc[MAX_GROUP_LANES];
+  for (int64_t i = 0; i < heads * lanes; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const Entry* value = values + slots[i] * hd;
+    __m512 v[8];
+    for (int64_t l = 0; l < lanes; ++l) v[l] = load16(value + 16 * l);
+    for (int64_t g = 0; g < heads; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * stride + i]);
+      for (int64_t l = 0; l < lanes; ++l) acc[g * lanes + l] = _mm512_fmadd_ps(w, v[l], acc[g * lanes + l]);
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const __m512 factor = _mm512_set1_ps(inverse[g]);
+    for (int64_t l = 0; l < lanes; ++l) {
+      _mm512_storeu_ps(out + g * q_stride + 16 * l, _mm512_mul_ps(acc[g * lanes + l], factor));
+    }
+  }
+}
+
+// attend_group for `heads` (1 .. MAX_CHUNK) heads of hd = 16, 32, 64 or 128 (hd * heads <= 16 * MAX_GROUP_LANES).
+template <int LANES, typename Entry>
+void attend_chunk(int64_t heads, const float* q, int64_t q_stride, const Entry* keys, const Entry* values,
+                  const int64_t* slots, int64_t count, float scale, float* widened, float* scores, int64_t stride,
+                  float* out) {
+  switch (heads) {
+    case 1: return attend_group<LANES, 1>(q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+    case 2: return attend_group<LANES, 2>(q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+    case 3:
+      if constexpr (3 * LANES <= MAX_GROUP_LANES) {
+        return attend_group<LANES, 3>(q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+      }
+      break;
+    case 4:
+      if constexpr (4 * LANES <= MAX_GROUP_LANES) {
+        return attend_group<LANES, 4>(q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+      }
+      break;
+  }
+  TORCH_CHECK(false, "attend: unsupported head chunk");
+}
+
+template <typename Entry>
+void attend_heads(int64_t hd, int64_t heads, const float* q, int64_t q_stride, const Entry* keys, const Entry* values,
+                  const int64_t* slots, int64_t count, float scale, float* widened, float* scores, int64_t stride,
+                  float* out) {
+  switch (hd) {
+    case 16: return attend_chunk<1>(heads, q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+    case 32: return attend_chunk<2>(heads, q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+    case 64: return attend_chunk<4>(heads, q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+    case 128: return attend_chunk<8>(heads, q, q_stride, keys, values, slots, count, scale, widened, scores, stride, out);
+  }
+  for (int64_t g = 0; g < heads; ++g) {  // other head sizes: the AVX2 build's task per head
+    attend_row(q + g * q_stride, keys, values, slots, count, hd, scale, scores, out + g * q_stride);
+  }
+}
+#endif
+
+// The slots row r of sequence s sees, in position order, into `slots`; their count.
+inline int64_t row_slots(const bool* row_seen, const int64_t* row_tail, int64_t head, int64_t tail, int64_t* slots) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < head; ++j) {
+    if (row_seen[j]) slots[count++] = j;
+  }
+  for (int64_t t = 0; t < tail; ++t) {
+    if (row_seen[head + t]) slots[count++] = row_tail[t];
+  }
+  return count;
+}
+
 // q [S, nh, n, hd] fp32; keys, values [S, kvh, capacity, hd] fp32 or bf16; seen [S, n, T + B] bool;
 // tail_slots [S, n, B] int64 -> [S, nh, n, hd] fp32.
 at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -129,22 +325,43 @@ at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, cons
   const bool* seen_data = seen.data_ptr<bool>();
   const int64_t* tail_data = tail_slots.data_ptr<int64_t>();
   float* result = out.data_ptr<float>();
-  const int64_t tasks = sequences * heads * n;
   const bool half = keys.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+  const int64_t chunk = std::min({group, MAX_CHUNK, MAX_GROUP_LANES / (hd / 16)});  // heads per attend_group call
+  at::parallel_for(0, sequences * kv_heads * n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots(width);
+    const int64_t stride = width + 16;
+    std::vector<float> scores(chunk * stride);
+    std::vector<float> widened(KEYS_PER_SUM * hd);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / (kv_heads * n), kv = task / n % kv_heads, r = task % n;
+      const int64_t count = row_slots(seen_data + (s * n + r) * width, tail_data + (s * n + r) * tail, head, tail,
+                                      slots.data());
+      const int64_t key_at = s * keys.stride(0) + kv * keys.stride(1);
+      const int64_t value_at = s * values.stride(0) + kv * values.stride(1);
+      for (int64_t first = kv * group; first < (kv + 1) * group; first += chunk) {
+        const int64_t count_heads = std::min(chunk, (kv + 1) * group - first);
+        const int64_t at = ((s * heads + first) * n + r) * hd;
+        if (half) {
+          attend_heads(hd, count_heads, qs + at, n * hd, keys.data_ptr<at::BFloat16>() + key_at,
+                       values.data_ptr<at::BFloat16>() + value_at, slots.data(), count, scale, widened.data(),
+                       scores.data(), stride, result + at);
+        } else {
+          attend_heads(hd, count_heads, qs + at, n * hd, keys.data_ptr<float>() + key_at,
+                       values.data_ptr<float>() + value_at, slots.data(), count, scale, widened.data(), scores.data(),
+                       stride, result + at);
+        }
+      }
+    }
+  });
+#else
+  at::parallel_for(0, sequences * heads * n, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots(width);
     std::vector<float> scores(width + 8);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / (heads * n), h = task / n % heads, r = task % n;
-      const bool* row_seen = seen_data + (s * n + r) * width;
-      const int64_t* row_tail = tail_data + (s * n + r) * tail;
-      int64_t count = 0;
-      for (int64_t j = 0; j < head; ++j) {
-        if (row_seen[j]) slots[count++] = j;
-      }
-      for (int64_t t = 0; t < tail; ++t) {
-        if (row_seen[head + t]) slots[count++] = row_tail[t];
-      }
+      const int64_t count = row_slots(seen_data + (s * n + r) * width, tail_data + (s * n + r) * tail, head, tail,
+                                      slots.data());
       const int64_t kv = h / group;
       const int64_t key_at = s * keys.stride(0) + kv * keys.stride(1);
       const int64_t value_at = s * values.stride(0) + kv * values.stride(1);
@@ -159,6 +376,7 @@ at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, cons
       }
     }
   });
+#endif
   return out;
 }
 

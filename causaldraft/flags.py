@@ -9,6 +9,7 @@ import argparse
 from causaldraft.config import (
     ACCEPTANCE_RULES,
     BACKENDS,
+    DEFAULT_DEPTHS,
     DTYPES,
     SAMPLERS,
     TREE_KINDS,
@@ -45,7 +46,8 @@ def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> 
 def add_draft_options(parser: argparse.ArgumentParser) -> None:
     """Tree, acceptance and drafter options shared by every command that builds engines."""
     tree = TreeConfig()
-    parser.add_argument("--depth", type=int, default=None, help=f"draft depth (default {tree.depth})")
+    depths = ", ".join(f"{kind} {depth}" for kind, depth in DEFAULT_DEPTHS.items())
+    parser.add_argument("--depth", type=int, default=None, help=f"draft depth (default: {depths})")
     parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
     parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")

@@ -88,6 +88,7 @@ def test_engine_config_round_trips_through_its_flags() -> None:
     args = build_parser().parse_args(["generate", "--prompt", "x", "--drafter", "markov", "--tree", "static",
                                       *config.flags()])  # fmt: skip
     assert engine_config(args) == config
-    assert EngineConfig(tree="chain").tree_config.depth == 6 and EngineConfig().tree_config.depth == 5
+    assert EngineConfig(tree="chain").tree_config.depth == 6 and EngineConfig().tree_config.depth == 8
+    assert EngineConfig(tree="static").tree_config.depth == 5
     with pytest.raises(CausalDraftError):
         EngineConfig(depth=0)

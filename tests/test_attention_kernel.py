@@ -178,47 +178,44 @@ def test_kernel_refuses_a_layout_that_does_not_fit() -> None:
         attention_kernel.attend(queries(8, 3), keys, values, *layout.tensors())
 
 
-# Builds cases over head sizes, groups (chunks of 4 heads and a rest), key counts that are and are not
-# multiples of 8, one row and a tree, fp32 and bf16 caches; saves the kernel's outputs to argv[1].
-BUILD_CASES = """
+# Runs the kernel of the build this process picks on the cases in argv[1]; saves its outputs to argv[2].
+RUN_CASES = """
 import sys, torch
 from causaldraft.models import attention_kernel
-from causaldraft.models.blocked import blocked_keys
 assert attention_kernel.available()
-generator = torch.Generator().manual_seed(0)
-outputs = []
-for hd, kv_heads, heads in ((64, 3, 9), (64, 1, 5), (128, 2, 8), (32, 1, 4), (16, 2, 2), (48, 2, 10)):
-    for length, parents in ((1, [-1]), (29, [-1]), (203, [-1, 0, 0, 1, 2]), (64, [-1, 0, 1, 2, 3, 4, 5, 6, 7])):
-        n = len(parents)
-        mask = torch.zeros(n, length + n, dtype=torch.bool)
-        mask[:, :length] = True
-        depths = []
-        for node, parent in enumerate(parents):
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-            ancestor = node
-            while ancestor >= 0:
-                mask[node, length + ancestor] = True
-                ancestor = parents[ancestor]
-        layout = blocked_keys(mask, torch.tensor(depths) + length, length, n).tensors()
-        keys = 3 * torch.randn(1, kv_heads, length + 200, hd, generator=generator)
-        values = torch.randn(1, kv_heads, length + 200, hd, generator=generator)
-        q = torch.randn(1, heads, n, hd, generator=generator)
-        for dtype in (torch.float32, torch.bfloat16):
-            outputs.append(attention_kernel.attend(q, keys.to(dtype), values.to(dtype), *layout))
-torch.save(outputs, sys.argv[1])
+torch.save([attention_kernel.attend(*case) for case in torch.load(sys.argv[1])], sys.argv[2])
 """
+
+
+def build_cases() -> list[tuple[torch.Tensor, ...]]:
+    """Head sizes 16-128 (48: the AVX2 row code), groups of 1-5 heads (chunks of 4 and a rest), key
+    counts that are and are not multiples of 8, one row and trees, fp32 and bf16 caches: 48 cases."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for hd, kv_heads, heads in ((64, 3, 9), (64, 1, 5), (128, 2, 8), (32, 1, 4), (16, 2, 2), (48, 2, 10)):
+        for length, parents in ((1, [-1]), (29, [-1]), (203, [-1, 0, 0, 1, 2]), (64, [-1, 0, 1, 2, 3, 4, 5, 6, 7])):
+            mask, positions = tree_layout(length, parents)
+            layout = layout_of(mask, positions, length).tensors()
+            keys = 3 * torch.randn(1, kv_heads, length + 200, hd, generator=generator)
+            values = torch.randn(1, kv_heads, length + 200, hd, generator=generator)
+            q = torch.randn(1, heads, len(parents), hd, generator=generator)
+            cases.extend((q, keys.to(dtype), values.to(dtype), *layout) for dtype in (torch.float32, torch.bfloat16))
+    return cases
 
 
 @pytest.mark.skipif(attention_kernel.build_flags() == attention_kernel.FLAGS, reason="needs a CPU with AVX-512")
 def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path: Path) -> None:
     """One task per kv head, 16 lanes and eight horizontal sums at once compute the AVX2 build's bits
     (the builds run in two processes: ``CAUSALDRAFT_ATTENTION_KERNEL=avx2`` picks the AVX2 one)."""
+    cases = tmp_path / "cases.pt"
+    torch.save(build_cases(), cases)
     results = []
     for build in ("avx2", ""):
         path = tmp_path / f"{build or 'avx512'}.pt"
         environment = {**os.environ, attention_kernel.SWITCH: build}
-        done = subprocess.run([sys.executable, "-c", BUILD_CASES, str(path)], env=environment, capture_output=True,
-                              text=True, timeout=300, cwd=Path(__file__).parent.parent)  # fmt: skip
+        command = [sys.executable, "-c", RUN_CASES, str(cases), str(path)]
+        root = Path(__file__).parent.parent
+        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=root)
         assert done.returncode == 0, done.stderr[-2000:]
         results.append(torch.load(path))
     avx2, avx512 = results

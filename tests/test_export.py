@@ -62,4 +62,5 @@ def test_speculators_model_class_gives_the_same_draft_logits(tiny_bf16: LoadedMo
     run = subprocess.run([python, str(CHECK), str(out), str(reference)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps(report))  # the check's report, for the record (pytest -rP shows it)
     assert report["ok"] and report["same_top1"] and report["draft_to_target_map_equal"]

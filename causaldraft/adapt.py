@@ -137,11 +137,14 @@ def measure_verify_cost(
     cost = VerifyCost(buckets=buckets)
     sizes = sorted({cost.padded(size) for size in CALIBRATION_SIZES if size <= max(max_nodes, 1)})
     timings: dict[int, list[float]] = {size: [] for size in sizes}
+    inputs = {
+        size: (torch.zeros(size, dtype=torch.long), torch.arange(context, context + size),
+               torch.ones(size, context + size, dtype=torch.bool).tril(context))
+        for size in sizes
+    }  # fmt: skip
     for _ in range(repeats + 1):
         for size in sizes:
-            tokens = torch.zeros(size, dtype=torch.long)
-            positions = torch.arange(context, context + size)
-            mask = torch.ones(size, context + size, dtype=torch.bool).tril(context)
+            tokens, positions, mask = inputs[size]
             started = time.perf_counter()
             backend.forward(tokens, positions, mask, cache, aux_layers=aux_layers)
             timings[size].append(time.perf_counter() - started)

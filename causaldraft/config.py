@@ -40,12 +40,21 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)
+STATIC_DEPTH = 5  # a static tree drafts every level of its fixed shape
+# A dynamic tree's depth is a ceiling: its depth gate drafts a level only where the cost model says it pays.
+# 8 since stop 28 (5 before): with attention's AVX-512 build, 8 gave every tree drafter 4-13 % more tokens/s
+# in bf16 (the issue's prompts and 16 others), and 12 or 16 less than 8 (README, stop 28).
+DYNAMIC_DEPTH = 8
+DEFAULT_DEPTHS = {"chain": CHAIN_DEPTH, "static": STATIC_DEPTH, "dynamic": DYNAMIC_DEPTH}
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """Shape of the draft: kind, initial depth and width, and the node budget ceiling."""
 
     kind: str = "dynamic"
-    depth: int = 8  # DYNAMIC_DEPTH (the default kind's)
+    depth: int = DYNAMIC_DEPTH  # the default kind's
     width: int = 3
     max_nodes: int = 32
 
@@ -80,15 +89,6 @@ class DecodeConfig:
             raise CausalDraftError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.reprobe_every < 1:
             raise CausalDraftError("reprobe_every must be >= 1")
-
-
-CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)
-STATIC_DEPTH = 5  # a static tree drafts every level of its fixed shape
-# A dynamic tree's depth is a ceiling: its depth gate drafts a level only where the cost model says it pays.
-# 8 since stop 28 (5 before): with attention's AVX-512 build, 8 gave every tree drafter 4-8 % more tokens/s
-# on the bf16 issue bench, and 12 or 16 less than 8 (README, stop 28).
-DYNAMIC_DEPTH = 8
-DEFAULT_DEPTHS = {"chain": CHAIN_DEPTH, "static": STATIC_DEPTH, "dynamic": DYNAMIC_DEPTH}
 
 
 def tree_config_of(kind: str, depth: int | None, width: int | None, max_nodes: int | None) -> TreeConfig:

@@ -103,9 +103,12 @@ CALIBRATION_SLACK = 0.8  # a kept pass over more rows may cost no less than this
 CALIBRATION_VERSION = 3
 
 
-def calibration_name(kind: str, aux_layers: tuple[int, ...]) -> str:
-    """The name a calibration is kept under, e.g. ``v3 max_nodes=16 aux_layers=[]``."""
-    return f"v{CALIBRATION_VERSION} {kind} aux_layers={list(aux_layers)}"
+def calibration_name(kind: str, aux_layers: tuple[int, ...], backend: object) -> str:
+    """The name a calibration is kept under, e.g. ``v3 max_nodes=16 aux_layers=[] head=Q8_0Head``: the LM
+    head runs outside the compiled graphs, and which one a model has (models/q8_0_head.py, packed.py)
+    depends on the CPU and on a switch, so its kind is part of the name."""
+    head = getattr(backend, "lm_head", None)
+    return f"v{CALIBRATION_VERSION} {kind} aux_layers={list(aux_layers)} head={type(head).__name__}"
 
 
 def plausible_calibration(seconds: dict[int, float]) -> bool:

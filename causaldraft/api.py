@@ -280,7 +280,7 @@ def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], r
     """The measured cost of verify passes. With compiled graphs it is measured once and kept
     beside them (``remeasure`` times it again); the decode loop refines it from every step."""
     store = backend.calibration
-    name = calibration_name(f"max_nodes={max_nodes}", aux_layers)
+    name = calibration_name(f"max_nodes={max_nodes}", aux_layers, backend)
     if store is not None and not remeasure:
         seconds = store.read_calibration(name)
         if seconds and plausible_calibration(seconds):

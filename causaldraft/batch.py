@@ -260,7 +260,7 @@ def batch_cost(engine: Engine, size: int) -> VerifyCost:
     assert isinstance(backend, NativeLlama)
     store = backend.calibration
     aux_layers = engine.decoder.drafter.feature_layers
-    name = calibration_name(f"batch={size}", aux_layers)
+    name = calibration_name(f"batch={size}", aux_layers, backend)
     if store is not None:
         seconds = store.read_calibration(name)
         if seconds and plausible_calibration(seconds):

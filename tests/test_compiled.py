@@ -106,8 +106,8 @@ def test_the_verify_cost_is_measured_once_per_set_of_graphs(tiny_llama_dir: Path
     assert backend.graph_store is not None
     path = backend.graph_store.directory / "calibration.json"
     saved = json.loads(path.read_text())
-    name = calibration_name("max_nodes=8", ())  # e.g. "v3 max_nodes=8 aux_layers=[]"
-    assert name.endswith("max_nodes=8 aux_layers=[]")
+    name = calibration_name("max_nodes=8", (), backend)  # e.g. "v3 max_nodes=8 aux_layers=[] head=Linear"
+    assert name.endswith(f"max_nodes=8 aux_layers=[] head={type(backend.lm_head).__name__}")
     assert {int(k): v for k, v in saved[name].items()} == measured.seconds
     saved[name] = {"1": 0.5, "4": 0.75}
     path.write_text(json.dumps(saved))

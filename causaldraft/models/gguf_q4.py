@@ -104,7 +104,7 @@ def read_q4_1_weights(gguf_path: Path, shape: LlamaShape, wanted: set[str]) -> d
         )
     notify(
         f"{gguf_path.name}: {len(weights)} Q4_1 tensors loaded as int4 without re-quantization; "
-        "the LM head is re-quantized to int8 per channel"
+        "the LM head is read on its own (models/q8_0_head.py)"
     )
     return weights
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from causaldraft.errors import CausalDraftError
+from causaldraft.models import q8_0_head
 from causaldraft.models.gguf_q4 import read_q4_1_weights
 from causaldraft.models.native import QUANT_CACHE_PREFIX, NativeLlama, checkpoint_files
 from causaldraft.models.packed import prefill_model, use_packed_head
@@ -151,10 +152,21 @@ def load_quantized(model_dir: Path, dtype: str) -> QuantizedModel:
     missing = set(linear_names(model)) - set(weights)
     if missing:
         raise CausalDraftError(f"quantized cache {path} lacks {sorted(missing)[:3]}")
-    if use_packed_head(model):  # the checkpoint's LM head in bf16 through oneDNN (models/packed.py)
+    if use_gguf_head(model, model_dir, gguf_path, key) or use_packed_head(model):
+        # the GGUF file's Q8_0 head (models/q8_0_head.py), else the checkpoint's in bf16 through oneDNN (packed.py)
         weights = {name: quantized for name, quantized in weights.items() if name != "lm_head"}
     model = install_quantized(model, weights)
     return QuantizedModel(model, prefill_model(model, lambda name: as_used(weights[name]) if name in weights else None))
+
+
+def use_gguf_head(model: NativeLlama, model_dir: Path, gguf_path: Path | None, key: str) -> bool:
+    """Whether the model's LM head is now the GGUF file's Q8_0 matrix (``q8_0_head.use_q8_0_head``)."""
+    if gguf_path is None or not q8_0_head.available():
+        return False
+    out_features, in_features = model.lm_head.weight.shape
+    cache = cache_path(model_dir, "head-q8_0")
+    weights = q8_0_head.gguf_head(gguf_path, cache, key, out_features, in_features)
+    return weights is not None and q8_0_head.use_q8_0_head(model, weights)
 
 
 def as_used(weights: QuantWeights) -> torch.Tensor:

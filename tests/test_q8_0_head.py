@@ -129,6 +129,7 @@ def test_a_model_from_a_gguf_with_a_q8_0_head_uses_it_and_decodes_exactly(tmp_pa
     assert isinstance(model.lm_head, Q8_0Head)
     assert cache_path(model_dir, "head-q8_0").is_file()  # the next load reads no GGUF header
     assert isinstance(load_quantized(model_dir, "int4").model.lm_head, Q8_0Head)
+    assert isinstance(load_quantized(model_dir, "int8").model.lm_head, Q8_0Head)
     reference = NativeLlama.from_pretrained(model_dir, torch.float32).lm_head.weight  # the blocks' values
     x = torch.randn(3, 128).to(torch.bfloat16)
     assert torch.allclose(model.lm_head(x), x.float() @ reference.T, rtol=1e-5, atol=1e-4)

@@ -2,15 +2,15 @@
 (``kernels/q8_0_mm.cpp``, AVX-512 with bf16), built once per machine on first use.
 
 Why: the LM head is the widest product of a pass (49152 x 576 for the default model). Until stop 29 an
-int4 model ran it as the checkpoint's matrix in bf16 through oneDNN (``packed``): 56.6 MB read per
+int4 or int8 model ran it as the checkpoint's matrix in bf16 through oneDNN (``packed``): 56.6 MB read per
 pass, ~1.0-1.3 ms of a ~4.5 ms one-row int4 pass on the AVX-512 machine. The GGUF file stores that
 matrix (``token_embd``, tied, or ``output``) as Q8_0: blocks of 32 int8 values ``q`` with one fp16
 scale ``d``, ``w = q * d``. Reading those blocks as they are is 30 MB, and it keeps the checkpoint's
 values, which bf16 cannot hold (``q * d`` has up to 19 significant bits, bf16 keeps 8).
 
 Measured on the AVX-512 machine of stop 29 (2 threads, caches flushed before each call), ms per call
-by rows: this product 0.55-0.60 / 0.57-0.67 / 0.64 / 0.82 / 1.55 / 3.2 for 1 / 2 / 4 / 8 / 16 / 32
-rows, the packed bf16 head 1.26-1.37 / 1.24-1.37 / 1.27-1.71 / 1.56 / 1.93 / 2.8.
+for 1 / 4 / 8 / 16 / 32 rows: this product 0.55 / 0.56 / 0.77 / 1.45 / 2.87, the packed bf16 head
+1.27 / 1.24 / 1.39 / 1.75 / 2.64.
 
 Arithmetic (docs/q8_0-head.md): for a row ``x`` (bf16) and a record of 16 channels and 32 inputs,
 the kernel widens each ``q`` to bf16 (exact: at most 8 significant bits) and sums ``q * x`` with bf16
@@ -25,7 +25,7 @@ Layout (``pack``): [out / 16, in / 32, 544] bytes, one record per block of 16 ou
 block of 32 inputs: 512 value bytes, pair p (inputs 2p and 2p + 1) in bytes 32p .. 32p + 31, byte
 2n + t holding channel n's value at input 2p + t; then the 16 channels' fp16 scales.
 
-Used for int4 models converted from a GGUF file whose head matrix is Q8_0 and equals the checkpoint's
+Used for int4 and int8 models converted from a GGUF file whose head matrix is Q8_0 and equals the checkpoint's
 (rounded to bf16, checked at load), where the CPU has AVX-512 with bf16, the build succeeds and
 ``CAUSALDRAFT_Q8_0_HEAD`` is not ``off``; otherwise the head stays the packed bf16 one. The blocks are
 cached beside the quantized weights (reading a GGUF file's header takes ~1.5 s).

@@ -129,7 +129,8 @@ def load_quantized(model_dir: Path, dtype: str) -> QuantizedModel:
     """A NativeLlama in bfloat16 whose linears are int8 or int4 (cached beside the checkpoint).
 
     For int4, layers stored as Q4_1 in the GGUF file the checkpoint was converted from are taken
-    from the GGUF blocks as they are; other layers are quantized from the checkpoint's weights.
+    from the GGUF blocks as they are; other layers are quantized from the checkpoint's weights. The LM
+    head is that file's Q8_0 matrix where ``q8_0_head`` runs, else the checkpoint's in bf16 (``packed``).
     """
     if dtype not in QUANT_DTYPES:
         raise CausalDraftError(f"quantized dtype must be int8 or int4, got {dtype!r}")
@@ -152,20 +153,22 @@ def load_quantized(model_dir: Path, dtype: str) -> QuantizedModel:
     missing = set(linear_names(model)) - set(weights)
     if missing:
         raise CausalDraftError(f"quantized cache {path} lacks {sorted(missing)[:3]}")
-    if use_gguf_head(model, model_dir, gguf_path, key) or use_packed_head(model):
+    if use_gguf_head(model, model_dir) or use_packed_head(model):
         # the GGUF file's Q8_0 head (models/q8_0_head.py), else the checkpoint's in bf16 through oneDNN (packed.py)
         weights = {name: quantized for name, quantized in weights.items() if name != "lm_head"}
     model = install_quantized(model, weights)
     return QuantizedModel(model, prefill_model(model, lambda name: as_used(weights[name]) if name in weights else None))
 
 
-def use_gguf_head(model: NativeLlama, model_dir: Path, gguf_path: Path | None, key: str) -> bool:
-    """Whether the model's LM head is now the GGUF file's Q8_0 matrix (``q8_0_head.use_q8_0_head``)."""
+def use_gguf_head(model: NativeLlama, model_dir: Path) -> bool:
+    """Whether the model's LM head is now the Q8_0 matrix of the GGUF file it was converted from
+    (``q8_0_head.use_q8_0_head``; int8 and int4 alike), its blocks cached beside the quantized weights."""
+    gguf_path = gguf_source(model_dir)
     if gguf_path is None or not q8_0_head.available():
         return False
     out_features, in_features = model.lm_head.weight.shape
-    cache = cache_path(model_dir, "head-q8_0")
-    weights = q8_0_head.gguf_head(gguf_path, cache, key, out_features, in_features)
+    key = source_key(model_dir, "head-q8_0", gguf_path)
+    weights = q8_0_head.gguf_head(gguf_path, cache_path(model_dir, "head-q8_0"), key, out_features, in_features)
     return weights is not None and q8_0_head.use_q8_0_head(model, weights)
 
 

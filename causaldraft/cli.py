@@ -88,6 +88,7 @@ def run_compile(args: argparse.Namespace) -> int:
     print(json.dumps({"model": str(target.model_dir), "dtype": target.dtype, "buckets": list(backend.buckets),
                       "batch_buckets": list(backend.batch_graphs), "graphs": str(directory),
                       **({"int4_kernel": "+".join(kernels)} if kernels else {}),
+                      "lm_head": type(backend.lm_head).__name__,  # Q8_0Head, PackedLinear, ... (models/)
                       "verify_ms": seconds, "threads": threads, "thread_invariant": invariant}))  # fmt: skip
     return 0
 

@@ -145,3 +145,29 @@ def test_a_model_from_a_gguf_with_a_q8_0_head_uses_it_and_decodes_exactly(tmp_pa
         result = spec.generate(prompt, max_new_tokens=48)
         assert result.token_ids == expected, prompt
         assert sum(step.nodes - 1 for step in result.stats.steps) > 0  # it really speculated
+
+
+def test_quantize_rounds_each_block_of_32_to_its_own_step() -> None:
+    weight = torch.zeros(16, 64)
+    weight[0, :3] = torch.tensor([0.254, 0.1, -0.0011])  # block 0 of row 0: step 0.002
+    weight[0, 32] = -1.27  # block 1: step 0.01
+    quantized = q8_0_head.quantize(weight)
+    assert quantized.scales[0].tolist() == [torch.tensor(0.002).half().item(), torch.tensor(0.01).half().item()]
+    assert quantized.values[0, :3].tolist() == [127, 50, -1] and quantized.values[0, 32] == -127
+    assert quantized.scales[1].tolist() == [0.0, 0.0] and not quantized.values[1].any()  # zero blocks stay zero
+    restored = quantized.dequantize()
+    assert (restored - weight).abs().max() <= 0.01 / 2 + 1e-6
+
+
+@needs_kernel
+def test_drafting_products_of_few_rows_read_q8_0_weights() -> None:
+    from causaldraft.models.packed import Q8_0_MAX_ROWS, DraftLinear
+
+    weight = (torch.randn(96, 192, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16)
+    linear = DraftLinear(weight)
+    assert linear.q8_0 is not None
+    for rows in (1, 5, Q8_0_MAX_ROWS):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        expected = q8_0_head.product(x, linear.q8_0).to(torch.bfloat16)
+        assert torch.equal(linear(x), expected)  # the Q8_0 path, not another
+        torch.testing.assert_close(linear(x).float(), x.float() @ weight.float().T, atol=3e-2, rtol=3e-2)

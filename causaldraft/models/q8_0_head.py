@@ -69,6 +69,18 @@ class Q8_0Weights:
         return (blocks * self.scales.float().unsqueeze(-1)).reshape(out_features, in_features)
 
 
+def quantize(weight: torch.Tensor) -> Q8_0Weights:
+    """A matrix [out, in] (in % 32 == 0) as Q8_0, the way llama.cpp quantizes it: per block of 32 inputs
+    d = amax / 127 (fp16), q = round(w / d). For drafters' products (``packed.DraftLinear``), which
+    need no exactness. Example: a block whose largest magnitude is 0.254 gets d = 0.002 and 0.1 -> 50."""
+    out_features, in_features = weight.shape
+    blocks = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    scales = (blocks.abs().amax(dim=-1) / 127).to(torch.float16)  # [out, in / 32]
+    steps = scales.float().unsqueeze(-1)
+    values = torch.where(steps > 0, blocks / steps, torch.zeros_like(blocks)).round().clamp(-127, 127)
+    return Q8_0Weights(values.to(torch.int8).reshape(out_features, in_features), scales)
+
+
 def wanted() -> bool:
     return os.environ.get(SWITCH, "").lower() != "off" and all(flag in cpu_flags() for flag in CPU_FLAGS)
 

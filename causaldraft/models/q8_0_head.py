@@ -40,10 +40,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from causaldraft.models import tensor_cache
 from causaldraft.models.int4_kernel import KERNELS, cpu_flags, load_source
 
 SOURCE = KERNELS / "q8_0_mm.cpp"
@@ -181,25 +180,15 @@ def read_gguf_head(gguf_path: Path, out_features: int, in_features: int) -> Q8_0
 
 
 def save_head(path: Path, weights: Q8_0Weights, key: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tensors = {"values": weights.values.contiguous(), "scales": weights.scales.contiguous()}
-    save_file(tensors, str(partial), metadata={"format": CACHE_FORMAT, "key": key})
-    partial.replace(path)
+    tensor_cache.write(path, {"values": weights.values, "scales": weights.scales}, CACHE_FORMAT, key)
 
 
 def load_head(path: Path, key: str) -> Q8_0Weights | None:
     """The cached head, or None when absent, stale or unreadable."""
-    if not path.is_file():
+    tensors = tensor_cache.read(path, CACHE_FORMAT, key)
+    if tensors is None or set(tensors) != {"values", "scales"}:
         return None
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            if metadata.get("format") != CACHE_FORMAT or metadata.get("key") != key:
-                return None
-            return Q8_0Weights(handle.get_tensor("values"), handle.get_tensor("scales"))
-    except Exception:  # safetensors raises several types for corrupt files; we read the GGUF again
-        return None
+    return Q8_0Weights(tensors["values"], tensors["scales"])
 
 
 def gguf_head(gguf_path: Path, cache: Path, key: str, out_features: int, in_features: int) -> Q8_0Weights | None:

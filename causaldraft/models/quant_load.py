@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models import q8_0_head
+from causaldraft.models import q8_0_head, tensor_cache
 from causaldraft.models.gguf_q4 import read_q4_1_weights
 from causaldraft.models.native import QUANT_CACHE_PREFIX, NativeLlama, checkpoint_files
 from causaldraft.models.packed import prefill_model, use_packed_head
@@ -71,29 +69,19 @@ def save_cache(path: Path, weights: dict[str, QuantWeights], key: str) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for name, quantized in weights.items():
         if isinstance(quantized, Int4Weights):
-            tensors[f"{name}.nibbles"] = pack_nibbles(quantized.values).contiguous()
-            tensors[f"{name}.scales"] = quantized.scales.float().contiguous()
-            tensors[f"{name}.zeros"] = quantized.zeros.float().contiguous()
+            tensors[f"{name}.nibbles"] = pack_nibbles(quantized.values)
+            tensors[f"{name}.scales"] = quantized.scales.float()
+            tensors[f"{name}.zeros"] = quantized.zeros.float()
         else:
-            tensors[f"{name}.int8"] = quantized.values.contiguous()
-            tensors[f"{name}.scales"] = quantized.scales.float().contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(partial), metadata={"format": CACHE_FORMAT, "key": key})
-    partial.replace(path)
+            tensors[f"{name}.int8"] = quantized.values
+            tensors[f"{name}.scales"] = quantized.scales.float()
+    tensor_cache.write(path, tensors, CACHE_FORMAT, key)
 
 
 def load_cache(path: Path, key: str) -> dict[str, QuantWeights] | None:
     """The cached weights, or None when absent, stale or unreadable."""
-    if not path.is_file():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            if metadata.get("format") != CACHE_FORMAT or metadata.get("key") != key:
-                return None
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except Exception:  # safetensors raises several types for corrupt files; we rebuild
+    tensors = tensor_cache.read(path, CACHE_FORMAT, key)
+    if tensors is None:
         return None
     weights: dict[str, QuantWeights] = {}
     for tensor_name, tensor in tensors.items():

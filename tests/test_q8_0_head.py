@@ -17,7 +17,7 @@ from causaldraft.api import load
 from causaldraft.models import q8_0_head
 from causaldraft.models.native import NativeLlama
 from causaldraft.models.q8_0_head import Q8_0Head, Q8_0Weights, from_blocks, pack, unpack, use_q8_0_head
-from causaldraft.models.quant_load import cache_path, load_quantized
+from causaldraft.models.quant_load import cache_path, load_quantized, source_key
 from tests.test_exact import assert_rows_match_one_row_passes
 from tests.tiny import save_tiny_llama
 
@@ -130,6 +130,10 @@ def test_a_model_from_a_gguf_with_a_q8_0_head_uses_it_and_decodes_exactly(tmp_pa
     assert cache_path(model_dir, "head-q8_0").is_file()  # the next load reads no GGUF header
     assert isinstance(load_quantized(model_dir, "int4").model.lm_head, Q8_0Head)
     assert isinstance(load_quantized(model_dir, "int8").model.lm_head, Q8_0Head)
+    cache = cache_path(model_dir, "head-q8_0")
+    cache.write_bytes(b"not safetensors")  # a corrupt cache: the GGUF file is read again and the cache rewritten
+    assert isinstance(load_quantized(model_dir, "int4").model.lm_head, Q8_0Head)
+    assert q8_0_head.load_head(cache, source_key(model_dir, "head-q8_0", tmp_path / "tiny.gguf")) is not None
     reference = NativeLlama.from_pretrained(model_dir, torch.float32).lm_head.weight  # the blocks' values
     x = torch.randn(3, 128).to(torch.bfloat16)
     assert torch.allclose(model.lm_head(x), x.float() @ reference.T, rtol=1e-5, atol=1e-4)

@@ -138,11 +138,11 @@ class DraftLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
-        quantizable = self.in_features % INT8_IN_MULTIPLE == 0
-        self.int8 = Int8Linear(quantize_int8(weight.detach()), None) if quantizable else None
         self.q8_0: torch.Tensor | None = None  # Q8_0 records (q8_0_head.pack)
         if q8_0_head.fits(self.out_features, self.in_features) and q8_0_head.available():
             self.q8_0 = q8_0_head.pack(q8_0_head.quantize(weight))
+        quantizable = self.in_features % INT8_IN_MULTIPLE == 0 and self.q8_0 is None  # (Q8_0 serves few rows)
+        self.int8 = Int8Linear(quantize_int8(weight.detach()), None) if quantizable else None
         self.packed: PackedLinear | None = None
         self.float32: torch.Tensor | None = None
         if native_bf16_products():

@@ -1,8 +1,8 @@
 // Q8_0 weight x bf16 activation product (the LM head of a GGUF model stored as Q8_0), fp32 out.
 //
 // See causaldraft/models/q8_0_head.py for the layout and the arithmetic (docs/q8_0-head.md).
-// Each record (16 output channels, 32 inputs) is widened once per call and used for every row. Every
-// output element is computed by the same instruction sequence whatever the row count and the thread
+// Each record (16 output channels, 32 inputs) is widened to bf16 once per tile of up to 8 rows and used
+// for every row of the tile. Every output element is computed by the same instruction sequence whatever the row count and the thread
 // count, so a row's result does not depend on the other rows of the call (row invariance).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -79,7 +79,7 @@ def full_mask(compiled: CompiledTree, prefix_length: int) -> torch.Tensor:
 
 # ---- builders -------------------------------------------------------------------------------
 
-Candidates = list[tuple[int, float]]  # (token, draft probability) sorted by probability
+Candidates = list[tuple[int, float]]  # (token, score: the drafter's chance that the target takes it), best first
 Expander = Callable[[Tree, list[int]], list[Candidates]]
 """Given the tree built so far and some of its nodes, return each node's candidate children."""
 LevelGate = Callable[[list[float], list[float], int], bool]

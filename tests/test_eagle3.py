@@ -39,7 +39,7 @@ from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.models.packed import INT8_MAX_ROWS, DraftLinear
 from causaldraft.models.products import native_bf16_products
-from causaldraft.train.calibration import SAMPLING_SCALES, SCORE_TEMPERATURES
+from causaldraft.train.calibration import NOISE_SCORE_TEMPERATURES, SAMPLING_SCALES, SCORE_TEMPERATURES
 from causaldraft.train.eagle3_recipe import eagle3_config
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
@@ -78,7 +78,8 @@ def layer_dir(tiny: LoadedModel, directory: Path, seed: int = 0, calibrated: boo
     """A random layer saved to ``directory``; ``calibrated``: with temperatures other than 1."""
     layer = random_layer(tiny, seed)
     if calibrated:
-        layer.config = dataclasses.replace(layer.config, score_temperature=0.6, sampling_temperature_scale=0.5)
+        layer.config = dataclasses.replace(layer.config, score_temperature=0.6, sampling_temperature_scale=0.5,
+                                           noise_score_temperature=2.0)  # fmt: skip
     save_layer(layer, directory)
     return directory
 
@@ -324,10 +325,12 @@ def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
     calibrated = layer_dir(tiny, tmp_path / "calibrated", calibrated=True)
     assert read_config(calibrated)[0].sampling_temperature_scale == 0.5
     record = json.loads((calibrated / CONFIG_FILE).read_text())
-    for name in ("score_temperature", "sampling_temperature_scale"):
+    assert read_config(calibrated)[0].noise_score_temperature == 2.0
+    for name in ("score_temperature", "sampling_temperature_scale", "noise_score_temperature"):
         del record[name]  # a config written before calibration: the plain distribution
     (calibrated / CONFIG_FILE).write_text(json.dumps(record))
     assert read_config(calibrated)[0].score_temperature == 1.0
+    assert read_config(calibrated)[0].noise_score_temperature == 1.0
     (calibrated / CONFIG_FILE).write_text(json.dumps({**record, "score_temperature": 0.0}))
     with pytest.raises(CausalDraftError, match="temperatures must be positive"):
         load_layer(calibrated, fingerprint, 259, 64)
@@ -434,6 +437,8 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     assert calibration["rows"] > 0 and len(calibration["sampling_agreement"]) == len(SAMPLING_SCALES)
     assert first.score_temperature == calibration["score_temperature"] in SCORE_TEMPERATURES
     assert first.sampling_temperature_scale == calibration["sampling_temperature_scale"] in SAMPLING_SCALES
+    assert first.noise_score_temperature == calibration["noise_score_temperature"] in NOISE_SCORE_TEMPERATURES
+    assert len(calibration["noise_score_loss"]) == len(NOISE_SCORE_TEMPERATURES)
     second_run = ["--epochs", "1", "--data-seed", "1", "--init", str(tmp_path / "first"),
                   "--out", str(tmp_path / "second")]  # fmt: skip
     assert main([*common, *second_run]) == 0

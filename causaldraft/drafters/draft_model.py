@@ -13,6 +13,7 @@ import torch
 
 from causaldraft.config import SamplingConfig
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
+from causaldraft.drafters.ranking import noise_scores
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache
 from causaldraft.sampling import gumbel_noise, warp_probs
@@ -118,9 +119,10 @@ class DraftModelDrafter:
             drawn = torch.multinomial(probs, count, replacement=True, generator=context.generator)
             return [(int(token), float(probs[token])) for token in drawn]
         if context.noise_seed is not None:
-            scores = torch.log(probs) + gumbel_noise(context.noise_seed, position, probs.shape[0])
-            chosen = torch.topk(scores, count).indices
-            return [(int(token), float(probs[token])) for token in chosen]
+            perturbed = torch.log(probs) + gumbel_noise(context.noise_seed, position, probs.shape[0])
+            chosen = torch.topk(perturbed, count).indices
+            scores = noise_scores(perturbed)
+            return [(int(token), float(scores[token])) for token in chosen]
         top = torch.topk(probs, count)
         return [(int(token), float(prob)) for prob, token in zip(top.values, top.indices, strict=True)]
 

@@ -191,8 +191,8 @@ class Eagle3Drafter:
             logits = self.project(layer.norm(states)).float()  # [m, V']
             children_at = [root_position + depths[node] + 1 for node in nodes]
             c = layer.config
-            return rank_children(logits, layer.vocab_ids, c.vocab_size, count, context, children_at,
-                                 c.score_temperature, c.sampling_temperature_scale)  # fmt: skip
+            temperatures = (c.score_temperature, c.sampling_temperature_scale, c.noise_score_temperature)
+            return rank_children(logits, layer.vocab_ids, c.vocab_size, count, context, children_at, *temperatures)
 
         return expand
 

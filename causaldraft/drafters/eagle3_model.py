@@ -36,7 +36,7 @@ from causaldraft.models.packed import DraftLinear
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "eagle3.safetensors"
 FORMAT_VERSION = 1
-CALIBRATION_FIELDS = ("score_temperature", "sampling_temperature_scale")  # optional in a config
+CALIBRATION_FIELDS = ("score_temperature", "sampling_temperature_scale", "noise_score_temperature")  # optional
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,15 @@ class Eagle3Config:
     fingerprint: str  # base_fingerprint of the target
     # calibration (train/calibration.py; 1.0 in configs written before it): node scores are
     # softmax(logits / score_temperature); Gumbel sampling ranks at T * sampling_temperature_scale
+    # and scores softmax((log q + g) / noise_score_temperature) (drafters/ranking.noise_scores)
     score_temperature: float = 1.0
     sampling_temperature_scale: float = 1.0
+    noise_score_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_vocab <= self.vocab_size or self.num_heads % self.kv_heads:
             raise CausalDraftError(f"invalid eagle3 sizes: {self}")
-        if not (self.score_temperature > 0 and self.sampling_temperature_scale > 0):
+        if not min(self.score_temperature, self.sampling_temperature_scale, self.noise_score_temperature) > 0:
             raise CausalDraftError(f"eagle3 calibration temperatures must be positive: {self}")
         if not self.aux_layers or any(not 0 <= layer <= self.target_layers for layer in self.aux_layers):
             raise CausalDraftError(f"eagle3 aux layers {self.aux_layers} outside [0, {self.target_layers}]")

@@ -151,6 +151,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     layer.config = replace(
         layer.config, score_temperature=calibration.score_temperature,
         sampling_temperature_scale=calibration.sampling_temperature_scale,
+        noise_score_temperature=calibration.noise_score_temperature,
     )  # fmt: skip
     timings["calibrate_s"] = time.perf_counter() - started
     held_tokens = torch.cat([seq.tokens[seq.prompt_length :] for seq in eval_set])

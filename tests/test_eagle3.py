@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -461,3 +463,25 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
 
 def tiny_llama_config_layers(directory: Path) -> int:
     return int(json.loads((directory / "config.json").read_text())["num_hidden_layers"])
+
+
+def test_calibrate_script_refits_a_layer_in_place(tiny_llama_dir: Path, tiny: LoadedModel, tmp_path: Path) -> None:
+    """bench/calibrate_eagle3.py generates fresh responses, fits the three temperatures and, with
+    --write, stores them (and the fit) in the layer's config; the weights are untouched."""
+    directory = layer_dir(tiny, tmp_path / "eagle3")
+    weights = (directory / WEIGHTS_FILE).read_bytes()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"the cat {index}" for index in range(30)) + "\n")
+    script = Path(__file__).resolve().parent.parent / "bench" / "calibrate_eagle3.py"
+    command = [sys.executable, str(script), "--model", str(tiny_llama_dir), "--dtype", "float32", "--heads",
+               str(directory), "--prompts", str(prompts), "--tokens", "300", "--steps", "2", "--context", "8",
+               "--work", str(tmp_path / "work"), "--write"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    config, record = read_config(directory)
+    refit = record["training"]["recalibration"]  # type: ignore[index]
+    assert refit["rows"] > 0 and refit["response_tokens"] >= 300
+    assert config.noise_score_temperature == refit["noise_score_temperature"] in NOISE_SCORE_TEMPERATURES
+    assert config.score_temperature == refit["score_temperature"] in SCORE_TEMPERATURES
+    assert config.sampling_temperature_scale == refit["sampling_temperature_scale"] in SAMPLING_SCALES
+    assert (directory / WEIGHTS_FILE).read_bytes() == weights

@@ -333,9 +333,11 @@ def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
     (calibrated / CONFIG_FILE).write_text(json.dumps(record))
     assert read_config(calibrated)[0].score_temperature == 1.0
     assert read_config(calibrated)[0].noise_score_temperature == 1.0
-    (calibrated / CONFIG_FILE).write_text(json.dumps({**record, "score_temperature": 0.0}))
-    with pytest.raises(CausalDraftError, match="temperatures must be positive"):
-        load_layer(calibrated, fingerprint, 259, 64)
+    for bad in ({"score_temperature": 0.0}, {"noise_score_temperature": float("nan")},
+                {"sampling_temperature_scale": float("inf")}):  # fmt: skip
+        (calibrated / CONFIG_FILE).write_text(json.dumps({**record, **bad}))
+        with pytest.raises(CausalDraftError, match="temperatures must be positive"):
+            load_layer(calibrated, fingerprint, 259, 64)
     record = json.loads((directory / CONFIG_FILE).read_text())
     del record["draft_vocab"]
     (directory / CONFIG_FILE).write_text(json.dumps(record))

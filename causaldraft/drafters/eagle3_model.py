@@ -19,6 +19,7 @@ E is the target's frozen token embedding.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,8 +65,9 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         if not 1 <= self.draft_vocab <= self.vocab_size or self.num_heads % self.kv_heads:
             raise CausalDraftError(f"invalid eagle3 sizes: {self}")
-        if not min(self.score_temperature, self.sampling_temperature_scale, self.noise_score_temperature) > 0:
-            raise CausalDraftError(f"eagle3 calibration temperatures must be positive: {self}")
+        temperatures = (self.score_temperature, self.sampling_temperature_scale, self.noise_score_temperature)
+        if not all(math.isfinite(value) and value > 0 for value in temperatures):
+            raise CausalDraftError(f"eagle3 calibration temperatures must be positive and finite: {self}")
         if not self.aux_layers or any(not 0 <= layer <= self.target_layers for layer in self.aux_layers):
             raise CausalDraftError(f"eagle3 aux layers {self.aux_layers} outside [0, {self.target_layers}]")
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from causaldraft.drafters.eagle3_model import CONFIG_FILE, load_layer, read_config
+from causaldraft.drafters.eagle3_model import CALIBRATION_FIELDS, CONFIG_FILE, load_layer, read_config
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.models.loading import load_model
 from causaldraft.train.calibration import calibrate_layer
@@ -69,11 +68,8 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if args.write:
         config, record = read_config(args.heads)
-        fitted = replace(config, score_temperature=calibration.score_temperature,
-                         sampling_temperature_scale=calibration.sampling_temperature_scale,
-                         noise_score_temperature=calibration.noise_score_temperature)  # fmt: skip
-        names = ("score_temperature", "sampling_temperature_scale", "noise_score_temperature")
-        record.update({name: getattr(fitted, name) for name in names})
+        fitted = calibration.fitted(config)
+        record.update({name: getattr(fitted, name) for name in CALIBRATION_FIELDS})
         training = record.get("training")
         record["training"] = {**(training if isinstance(training, dict) else {}), "recalibration": summary}
         (args.heads / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")

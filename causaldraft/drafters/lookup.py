@@ -114,12 +114,11 @@ class LookupDrafter:
         for size in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < size:
                 continue
-            followers = [start for start in self.index.get(tokens[len(tokens) - size :], []) if start < len(tokens)]
+            followers = self.index.get(tokens[len(tokens) - size :], [])  # positions < len(tokens)
             for start in reversed(followers):
                 continuation = tokens[start : start + depth]
                 if continuation and not any(seen.tokens[: len(continuation)] == continuation for seen in found):
-                    recent = followers[-SCANNED:]
-                    agreeing = sum(1 for other in recent if tokens[other] == continuation[0])
+                    agreeing = sum(1 for other in followers[-SCANNED:] if tokens[other] == continuation[0])
                     found.append(Continuation(continuation, (size, agreeing >= AGREEING)))
                 if len(found) >= limit:
                     return found
@@ -130,12 +129,15 @@ class LookupDrafter:
         found = self.continuations(context.tokens, context.depth, limit)
         self.last = found[0] if found else None
         draft = TreeDraft(parents=[-1], tokens=[context.tokens[-1]], scores=[1.0])
+        self.merge(draft, found, context.max_nodes)
+        return Draft.from_tree_draft(draft)
+
+    def merge(self, draft: TreeDraft, found: list[Continuation], max_nodes: int) -> None:
+        """Add the continuations to ``draft`` as a trie, each node scored by its match kind's rates."""
         for rank, continuation in enumerate(found):
             path = continuation.tokens
-            for offset in range(len(path)):
-                merge_paths(draft, [path[: offset + 1]], self.rates.score(continuation.match, offset, rank),
-                            context.max_nodes)  # fmt: skip
-        return Draft.from_tree_draft(draft)
+            for end in range(1, len(path) + 1):
+                merge_paths(draft, [path[:end]], self.rates.score(continuation.match, end - 1, rank), max_nodes)
 
     def observe(self, result: StepResult) -> None:
         """Score the step's best continuation against the tokens the target emitted."""
@@ -176,9 +178,7 @@ class LookupMerge:
         return list(best.values())
 
     def merge(self, draft: TreeDraft, paths: list[Continuation], max_nodes: int) -> None:
-        for rank, path in enumerate(paths):
-            for end in range(1, len(path.tokens) + 1):
-                merge_paths(draft, [path.tokens[:end]], self.lookup.rates.score(path.match, end - 1, rank), max_nodes)
+        self.lookup.merge(draft, paths, max_nodes)
 
     def observe(self, result: StepResult) -> None:
         self.lookup.observe(result)

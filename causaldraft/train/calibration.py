@@ -36,12 +36,12 @@ log 0.3 + 0.5 = -0.70: it guesses b, a miss. At s = 0.5: a -1.83, b -2.41 + 0.5 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from causaldraft.drafters.eagle3_model import Eagle3Layer
+from causaldraft.drafters.eagle3_model import Eagle3Config, Eagle3Layer
 from causaldraft.drafters.ranking import noise_scores
 from causaldraft.train.eagle3_train import Sequence, make_batch, ttt_outputs
 from causaldraft.train.trainer import draft_index
@@ -63,6 +63,12 @@ class Calibration:
     sampling_agreement: dict[float, float]  # share of rows whose first child is the target's sample, per s
     noise_score_loss: dict[float, float]  # mean binary log-loss per child at the chosen s, per tau
     rows: int  # depth-1 rows
+
+    def fitted(self, config: Eagle3Config) -> Eagle3Config:
+        """``config`` with the three fitted temperatures."""
+        return replace(config, score_temperature=self.score_temperature,
+                       sampling_temperature_scale=self.sampling_temperature_scale,
+                       noise_score_temperature=self.noise_score_temperature)  # fmt: skip
 
     def summary(self) -> dict[str, object]:
         return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -148,11 +148,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     timings["evaluate_s"] = time.perf_counter() - started
     started = time.perf_counter()
     calibration = calibrate_layer(layer, eval_set, embed, t.steps, t.context)
-    layer.config = replace(
-        layer.config, score_temperature=calibration.score_temperature,
-        sampling_temperature_scale=calibration.sampling_temperature_scale,
-        noise_score_temperature=calibration.noise_score_temperature,
-    )  # fmt: skip
+    layer.config = calibration.fitted(layer.config)
     timings["calibrate_s"] = time.perf_counter() - started
     held_tokens = torch.cat([seq.tokens[seq.prompt_length :] for seq in eval_set])
     summary: dict[str, object] = {

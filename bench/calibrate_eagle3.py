@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from causaldraft.drafters.eagle3_model import CALIBRATION_FIELDS, CONFIG_FILE, load_layer, read_config
 from causaldraft.drafters.heads import base_fingerprint
+from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
 from causaldraft.train.calibration import calibrate_layer
 from causaldraft.train.eagle3_train import load_sequences
@@ -77,4 +79,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CausalDraftError as error:  # a missing, corrupt or foreign layer, a bad model path
+        sys.exit(f"calibrate_eagle3: {error}")

@@ -487,3 +487,7 @@ def test_calibrate_script_refits_a_layer_in_place(tiny_llama_dir: Path, tiny: Lo
     assert config.score_temperature == refit["score_temperature"] in SCORE_TEMPERATURES
     assert config.sampling_temperature_scale == refit["sampling_temperature_scale"] in SAMPLING_SCALES
     assert (directory / WEIGHTS_FILE).read_bytes() == weights
+    missing = [*command[:7], str(tmp_path / "absent"), *command[8:]]  # --heads names no layer
+    done = subprocess.run(missing, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "calibrate_eagle3: no eagle3 drafter in" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -317,7 +317,8 @@ def load(
     if config.compile:
         compile_backend(target)
     drafter_options = DrafterOptions(draft_model=config.draft_model, draft_layers=config.draft_layers,
-                                     heads=config.heads, lookup_merge=config.lookup_merge)  # fmt: skip
+                                     heads=config.heads, lookup_merge=config.lookup_merge, store=config.store,
+                                     use_store=config.use_store)  # fmt: skip
     chosen = build_drafter(config.drafter, target, drafter_options, target.dtype)
     tree_config = config.tree_config
     if config.calibrate:

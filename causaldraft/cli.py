@@ -1,4 +1,4 @@
-"""Command line: generate, show-tree, bench, train-heads, serve."""
+"""Command line: generate, show-tree, compile, export-heads, bench, train-heads, build-store, serve."""
 
 from __future__ import annotations
 
@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--verifier", default=None, help="target name for vLLM (default: its local checkpoint dir)")
     export.set_defaults(func=run_export)
 
-    for name, module in (("bench", "causaldraft.bench.cli"), ("train-heads", "causaldraft.train.cli"),
-                         ("serve", "causaldraft.serve.cli")):  # fmt: skip
+    optional = (("bench", "causaldraft.bench.cli"), ("train-heads", "causaldraft.train.cli"),
+                ("build-store", "causaldraft.train.store_cli"), ("serve", "causaldraft.serve.cli"))  # fmt: skip
+    for name, module in optional:
         register_optional(commands, name, module)
     return parser
 

@@ -131,6 +131,8 @@ class EngineConfig:
     draft_layers: int = 4
     heads: str | None = None
     lookup_merge: bool = True
+    store: str | None = None  # n-gram store for prompt lookup; None: the shipped one when it fits the model
+    use_store: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -164,12 +166,14 @@ class EngineConfig:
         parts.append("--compile" if self.compile else "--no-compile")
         for flag, value, unset in (("--depth", self.depth, None), ("--width", self.width, None),
                                    ("--max-nodes", self.max_nodes, None), ("--draft-model", self.draft_model, None),
-                                   ("--heads", self.heads, None), ("--acceptance", self.acceptance, default.acceptance),
+                                   ("--heads", self.heads, None), ("--store", self.store, None),
+                                   ("--acceptance", self.acceptance, default.acceptance),
                                    ("--sampler", self.sampler, default.sampler),
                                    ("--draft-layers", self.draft_layers, default.draft_layers)):  # fmt: skip
             if value != unset:
                 parts += [flag, str(value)]
-        for flag, enabled in (("--no-lookup-merge", self.lookup_merge), ("--no-adapt", self.adapt),
+        for flag, enabled in (("--no-lookup-merge", self.lookup_merge), ("--no-store", self.use_store),
+                              ("--no-adapt", self.adapt),
                               ("--no-fallback", self.fallback), ("--fixed-threads", self.adapt_threads)):  # fmt: skip
             if not enabled:
                 parts.append(flag)

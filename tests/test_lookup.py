@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from causaldraft.config import SamplingConfig
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
-from causaldraft.drafters.lookup import Continuation, LookupDrafter, LookupRates, emitted_prefix, prior_first_rate
+from causaldraft.drafters.lookup import (
+    Continuation,
+    LookupDrafter,
+    LookupRates,
+    Match,
+    emitted_prefix,
+    prior_first_rate,
+)
 from causaldraft.verify import Acceptance
 
 
@@ -17,20 +24,20 @@ def test_continuations_say_how_strong_their_match_is() -> None:
     drafter = LookupDrafter()
     # "1 2 3" was followed by 4 twice: a repeated 3-token match
     assert drafter.continuations((1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3), 4, 1) == [
-        Continuation((4, 6, 1, 2), (3, True))
+        Continuation((4, 6, 1, 2), Match(3, True))
     ]
     drafter = LookupDrafter()
     # only the token 7 occurred before, once: a single 1-token match
-    assert drafter.continuations((7, 8, 9, 10, 7), 2, 1) == [Continuation((8, 9), (1, False))]
+    assert drafter.continuations((7, 8, 9, 10, 7), 2, 1) == [Continuation((8, 9), Match(1, False))]
     drafter = LookupDrafter()
     found = drafter.continuations((5, 1, 2, 9, 3, 1, 2, 8, 1, 2), 2, 3)  # "1 2" followed by 9, then 8
-    assert [c.tokens for c in found] == [(8, 1), (9, 3)] and all(c.match == (2, False) for c in found)
+    assert [c.tokens for c in found] == [(8, 1), (9, 3)] and all(c.match == Match(2, False) for c in found)
     assert LookupDrafter().continuations((1, 2, 3), 4, 2) == []
 
 
 def test_each_match_kind_learns_its_own_rate() -> None:
     rates = LookupRates()
-    strong, weak = (3, True), (1, False)
+    strong, weak = Match(3, True), Match(1, False)
     assert rates.score(strong, 0, 0) == prior_first_rate(strong) > prior_first_rate(weak) == rates.score(weak, 0, 0)
     for _ in range(60):
         rates.record(strong, 4, 4)
@@ -39,7 +46,7 @@ def test_each_match_kind_learns_its_own_rate() -> None:
     assert rates.score(strong, 2, 0) > 0.9  # tokens after the first, given it: size 3 kept them all
     assert rates.score(strong, 0, 1) == rates.score(strong, 0, 0) / 2  # a second continuation counts half
     before = dict(rates.further)
-    rates.record((1, True), 1, 1)  # one observed token: nothing learnt about further tokens
+    rates.record(Match(1, True), 1, 1)  # one observed token: nothing learnt about further tokens
     assert rates.further == before
 
 
@@ -54,10 +61,10 @@ def test_observe_records_the_proposed_continuation_once() -> None:
     tokens = (1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3)
     draft = drafter.propose(context(tokens))
     assert draft.tree.tokens == (3, 4, 6, 1, 2)
-    assert draft.scores[1] == prior_first_rate((3, True))
+    assert draft.scores[1] == prior_first_rate(Match(3, True))
     root_only = Draft.root_only(3)  # e.g. the gate kept the step plain: the target's token still counts
     drafter.observe(StepResult(root_only, Acceptance((0,), (4,), True), (*tokens, 4)))
-    assert drafter.rates.first[(3, True)] > prior_first_rate((3, True))
+    assert drafter.rates.first[Match(3, True)] > prior_first_rate(Match(3, True))
     first = dict(drafter.rates.first)
     drafter.observe(StepResult(root_only, Acceptance((0,), (9,), True), (*tokens, 4, 9)))  # nothing proposed
     assert drafter.rates.first == first

@@ -35,6 +35,7 @@ from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, pack_linears, read_config
 from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
+from causaldraft.drafters.store import NgramStore
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.quant import Int8Linear, quantize_int8
@@ -49,14 +50,21 @@ CATCH_UP_ROWS = 16  # queued rows that are processed at once, outside the timed 
 class Eagle3Drafter:
     name = "eagle3"
 
-    def __init__(self, layer: Eagle3Layer, backend: Backend, lookup_merge: bool = True, int8: bool = False) -> None:
+    def __init__(
+        self,
+        layer: Eagle3Layer,
+        backend: Backend,
+        lookup_merge: bool = True,
+        int8: bool = False,
+        store: NgramStore | None = None,
+    ) -> None:
         """``int8``: output projection in int8 per row (for quantized targets whose layer could not be
-        packed for oneDNN: ``pack_linears``)."""
+        packed for oneDNN: ``pack_linears``). ``store``: the n-gram store the merged lookup also walks."""
         self.layer = layer
         self.backend = backend
         self.int8 = int8
         self.feature_layers = layer.config.aux_layers
-        self.lookup = LookupMerge() if lookup_merge else None
+        self.lookup = LookupMerge(store) if lookup_merge else None
         c = layer.config
         self.keys = torch.zeros(c.kv_heads, INITIAL_ROWS, c.head_dim, dtype=layer.dtype)  # [kvh, rows, hd]
         self.values = torch.zeros_like(self.keys)
@@ -69,7 +77,8 @@ class Eagle3Drafter:
         )  # [m, h] -> [m, V']
 
     def fork(self) -> Eagle3Drafter:
-        return Eagle3Drafter(self.layer, self.backend, self.lookup is not None, self.int8)
+        store = self.lookup.lookup.store if self.lookup is not None else None
+        return Eagle3Drafter(self.layer, self.backend, self.lookup is not None, self.int8, store)
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
         self.committed = 0
@@ -212,7 +221,7 @@ def default_eagle3_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "heads" / "default" / "eagle3"
 
 
-def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-untyped-def]
+def load_eagle3_drafter(target, options, store: NgramStore | None = None) -> Eagle3Drafter:  # type: ignore[no-untyped-def]
     """The registry's constructor: options.heads, or the shipped layer for the default model."""
     from causaldraft.drafters.heads import base_fingerprint
 
@@ -236,4 +245,4 @@ def load_eagle3_drafter(target, options) -> Eagle3Drafter:  # type: ignore[no-un
     quantized = target.backend.quantized
     layer = layer.cast(torch.bfloat16 if quantized else target.backend.dtype)
     packed = pack_linears(layer)  # bf16: DraftLinear products (int8, oneDNN reordered weights)
-    return Eagle3Drafter(layer, target.backend, options.lookup_merge, int8=quantized and not packed)
+    return Eagle3Drafter(layer, target.backend, options.lookup_merge, int8=quantized and not packed, store=store)

@@ -34,6 +34,7 @@ from torch import nn
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
+from causaldraft.drafters.store import NgramStore
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.packed import DraftLinear
@@ -208,18 +209,21 @@ class HeadsDrafter:
         lookup_merge: bool = True,
         int8: bool = False,
         project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        store: NgramStore | None = None,
     ) -> None:
         """``project``: the output projection [m, hidden] bf16 -> [m, V'] logits (a fork shares its
-        drafter's); by default ``draft_projection(heads, int8)``."""
+        drafter's); by default ``draft_projection(heads, int8)``. ``store``: the n-gram store the
+        merged lookup also walks."""
         self.heads = heads
         self.backend = backend
         self.int8 = int8
         self.name = heads.config.kind
-        self.lookup = LookupMerge() if lookup_merge else None
+        self.lookup = LookupMerge(store) if lookup_merge else None
         self.project = project if project is not None else draft_projection(heads, int8)
 
     def fork(self) -> HeadsDrafter:
-        return HeadsDrafter(self.heads, self.backend, self.lookup is not None, self.int8, self.project)
+        store = self.lookup.lookup.store if self.lookup is not None else None
+        return HeadsDrafter(self.heads, self.backend, self.lookup is not None, self.int8, self.project, store)
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         if self.lookup is not None:
@@ -308,7 +312,7 @@ def shipped_heads_fit(kind: str, backend: Backend) -> bool:
     return (directory / CONFIG_FILE).is_file() and read_config(directory)[0].fingerprint == base_fingerprint(backend)
 
 
-def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ignore[no-untyped-def]
+def load_heads_drafter(kind: str, target, options, store: NgramStore | None = None) -> HeadsDrafter:  # type: ignore[no-untyped-def]
     """The registry's constructor: options.heads, or the shipped heads when the target is the
     default model; otherwise a clear error."""
     if kind not in HEAD_KINDS:
@@ -326,4 +330,4 @@ def load_heads_drafter(kind: str, target, options) -> HeadsDrafter:  # type: ign
             )
     heads = load_heads(directory, target.backend, kind)
     quantized = target.backend.quantized  # int8/int4 target: int8 drafting too
-    return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge, int8=quantized)
+    return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge, int8=quantized, store=store)

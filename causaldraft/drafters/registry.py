@@ -9,6 +9,8 @@ from pathlib import Path
 from causaldraft.drafters.base import Drafter, NoDrafter
 from causaldraft.drafters.draft_model import DraftModelDrafter, check_same_vocabulary
 from causaldraft.drafters.lookup import LookupDrafter
+from causaldraft.drafters.store import CONFIG_FILE as STORE_CONFIG
+from causaldraft.drafters.store import NgramStore, default_store_dir, load_store, read_store_config
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
@@ -21,6 +23,8 @@ class DrafterOptions:
     heads: str | None = None  # trained heads directory (markov / medusa / eagle3); None = shipped default
     lookup_merge: bool = True  # merge prompt-lookup candidates into head trees
     draft_dtype: str | None = None  # dtype of a separate draft model; None = the target's
+    store: str | None = None  # n-gram store directory for prompt lookup; None = the shipped one if it fits
+    use_store: bool = True  # False: prompt lookup in the text so far only
 
     def __post_init__(self) -> None:
         if self.draft_layers < 1:
@@ -31,8 +35,28 @@ def build_none(target: LoadedModel, options: DrafterOptions, dtype: str) -> Draf
     return NoDrafter()
 
 
+def lookup_store(target: LoadedModel, options: DrafterOptions) -> NgramStore | None:
+    """The n-gram store prompt lookup walks besides the text so far (drafters/store.py): the one
+    in ``options.store`` (refused if it does not fit the target), else the store shipped for the
+    default model when the target is that model, else none."""
+    from causaldraft.drafters.heads import base_fingerprint
+
+    if not options.use_store:
+        return None
+    fingerprint, vocab_size = base_fingerprint(target.backend), target.backend.shape.vocab_size
+    if options.store is not None:
+        directory = Path(options.store).expanduser()
+        if not directory.is_dir():
+            raise CausalDraftError(f"n-gram store directory {directory} does not exist")
+        return load_store(directory, fingerprint, vocab_size)
+    shipped = default_store_dir()
+    if (shipped / STORE_CONFIG).is_file() and read_store_config(shipped).fingerprint == fingerprint:
+        return load_store(shipped, fingerprint, vocab_size)
+    return None
+
+
 def build_lookup(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
-    return LookupDrafter()
+    return LookupDrafter(store=lookup_store(target, options))
 
 
 def build_draft(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
@@ -51,7 +75,8 @@ def build_heads(kind: str) -> Callable[[LoadedModel, DrafterOptions, str], Draft
     def build(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
         from causaldraft.drafters.heads import load_heads_drafter
 
-        return load_heads_drafter(kind, target, options)
+        store = lookup_store(target, options) if options.lookup_merge else None
+        return load_heads_drafter(kind, target, options, store)
 
     return build
 
@@ -59,7 +84,8 @@ def build_heads(kind: str) -> Callable[[LoadedModel, DrafterOptions, str], Draft
 def build_eagle3(target: LoadedModel, options: DrafterOptions, dtype: str) -> Drafter:
     from causaldraft.drafters.eagle3 import load_eagle3_drafter
 
-    return load_eagle3_drafter(target, options)
+    store = lookup_store(target, options) if options.lookup_merge else None
+    return load_eagle3_drafter(target, options, store)
 
 
 def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:

@@ -238,7 +238,7 @@ def prefill_rows(
     small = BatchCache.empty(model, len(prompt_indices), width)
     positions = torch.arange(width)[None].expand(len(prompt_indices), width)
     hidden, features = batched_forward(model, tokens, positions, small, aux_layers)  # [r, width, h]
-    assert features is not None
+    features = hidden[..., :0] if features is None else features  # no aux layers: [r, width, 0]
     cache.copy_rows(small, torch.tensor(slots), width)
     lengths = torch.tensor([len(prompts[index]) for index in prompt_indices])
     last = hidden[torch.arange(len(prompt_indices)), lengths - 1]  # [r, h]
@@ -277,7 +277,7 @@ def decode_step(
         tokens[slot, 0] = row.tokens[-1]
         positions[slot, 0] = len(row.tokens) - 1
     hidden, features = batched_forward(model, tokens, positions, cache, aux_layers)
-    assert features is not None
+    features = hidden[..., :0] if features is None else features  # no aux layers: [B, 1, 0]
     ids, logprobs, full = top_candidates(model, hidden[:, 0], config.top_k)
     slots = [slot for slot, _ in live]
     live_logprobs = full if len(slots) == len(rows) else full[slots]

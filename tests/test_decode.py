@@ -210,23 +210,29 @@ def exact_law(directory: Path, prompt_ids: list[int], sampling: SamplingConfig) 
 def test_sampled_output_follows_the_exact_target_law(
     tiny_llama_dir: Path, drafter: str, tree: str, options: dict[str, float], sampler: str
 ) -> None:
-    sampling = dataclasses.replace(SAMPLING, **options)
     spec = engine(tiny_llama_dir, drafter, tree=tree, depth=2, fallback=False, adapt=False, sampler=sampler)
+    pvalue, drafted = law_test(spec, tiny_llama_dir, options)
+    assert drafted > SAMPLES  # the verifier really judged drafts
+    assert pvalue > 1e-4
+
+
+def law_test(spec: Engine, directory: Path, options: dict[str, float]) -> tuple[float, int]:
+    """Sample the first two tokens of PROMPTS[0] SAMPLES times (T=1, top-k 4 and ``options``): the
+    chi-square p-value against the exact target law, and the draft nodes the verifier judged."""
     prompt_ids = spec.encode(PROMPTS[0])
-    law = exact_law(tiny_llama_dir, prompt_ids, sampling)
+    law = exact_law(directory, prompt_ids, dataclasses.replace(SAMPLING, **options))
     counts: Counter[tuple[int, int]] = Counter()
     drafted = 0
     for seed in range(SAMPLES):
         result = spec.generate(prompt_ids, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed, **options)
         counts[(result.token_ids[0], result.token_ids[1])] += 1
         drafted += result.stats.steps[0].nodes - 1
-    assert drafted > SAMPLES  # the verifier really judged drafts
     assert set(counts) <= set(law)
     keys = sorted(law)
     observed = [counts[key] for key in keys]
     total = sum(law.values())
     expected = [law[key] / total * sum(observed) for key in keys]
-    assert chisquare(observed, expected).pvalue > 1e-4
+    return float(chisquare(observed, expected).pvalue), drafted
 
 
 def test_naive_acceptance_fails_the_same_law_test(tiny_llama_dir: Path) -> None:

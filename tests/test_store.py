@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 from causaldraft.api import load
 from causaldraft.cli import main
@@ -33,7 +32,7 @@ from causaldraft.drafters.store import (
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.verify import Acceptance
-from tests.test_decode import SAMPLES, SAMPLING, exact_law
+from tests.test_decode import SAMPLES, law_test
 from tests.test_eagle3 import layer_dir
 from tests.test_heads import random_heads_dir
 
@@ -215,17 +214,8 @@ def test_sampled_output_with_the_store_follows_the_exact_target_law(
 ) -> None:
     engine = load(loaded=tiny, drafter="lookup", tree="dynamic", depth=2, store=str(store_dir), calibrate=False,
                   fallback=False, adapt=False, sampler=sampler)  # fmt: skip
-    prompt_ids = engine.encode(PROMPTS[0])
-    law = exact_law(tiny_llama_dir, prompt_ids, SAMPLING)
-    counts: Counter[tuple[int, int]] = Counter()
-    for seed in range(SAMPLES):
-        result = engine.generate(prompt_ids, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed)
-        counts[(result.token_ids[0], result.token_ids[1])] += 1
-    keys = sorted(law)
-    observed = [counts[key] for key in keys]
-    total = sum(law.values())
-    assert set(counts) <= set(law)
-    assert chisquare(observed, [law[key] / total * SAMPLES for key in keys]).pvalue > 1e-4
+    pvalue, drafted = law_test(engine, tiny_llama_dir, {})
+    assert drafted > SAMPLES and pvalue > 1e-4
 
 
 def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -132,9 +132,8 @@ def build_index(
     E.g. starts (0, 4, 7): sequences tokens[0:4] and tokens[4:7]; the follower at index 5 has one
     earlier token in its sequence, so no 2-gram precedes it.
     """
-    offset = np.zeros(len(tokens), dtype=np.int64)  # index within its sequence
-    for begin, end in zip(starts[:-1], starts[1:], strict=True):
-        offset[begin:end] = np.arange(end - begin)
+    lengths = np.diff(starts)  # [S]
+    offset = np.arange(len(tokens)) - np.repeat(starts[:-1], lengths)  # [N] index within its sequence
     values = tokens.astype(np.uint64) + np.uint64(1)
     multiplier = np.uint64(HASH_MULTIPLIER)
     hashes, followers = [], []

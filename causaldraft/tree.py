@@ -12,7 +12,7 @@ row i true at i and its ancestors: row 3 = {0, 1, 3}, row 2 = {0, 2}. Root-to-le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -118,7 +118,7 @@ def static_branching(depth: int, width: int) -> list[int]:
 
 def build_tree(
     kind: str, root: int, expand: Expander, depth: int, width: int, max_nodes: int,
-    gate: LevelGate | None = None, merged_scores: Sequence[float] = (),
+    gate: LevelGate | None = None, merged: Mapping[tuple[int, ...], float] | None = None,
 ) -> TreeDraft:  # fmt: skip
     """Grow a chain, static or dynamic tree with a drafter's expander.
 
@@ -126,8 +126,9 @@ def build_tree(
     dynamic: at each depth the ``width`` best frontier nodes by cumulative probability are expanded
     together (one expander call) into ``width`` children each; at the end the ``max_nodes`` best
     nodes are kept (a child never outscores its parent, so kept nodes form a tree).
-    ``gate``: asked before each level whether to draft it (it sees ``merged_scores`` too: the scores
-    of candidates the drafter will merge in afterwards, e.g. prompt lookup's); a no ends the tree.
+    ``gate``: asked before each level whether to draft it; a no ends the tree. It sees the scores of
+    the drafted nodes and of ``merged``: candidates the drafter will merge in afterwards (e.g. prompt
+    lookup's), by their tokens after the root, a candidate the tree already holds counted once.
     """
     draft = TreeDraft(parents=[-1], tokens=[root], scores=[1.0])
     frontier = [0]
@@ -139,7 +140,7 @@ def build_tree(
             frontier = sorted(frontier, key=lambda node: -draft.scores[node])[:width]
         if gate is not None:
             frontier_scores = [draft.scores[node] for node in frontier]
-            if not gate([*merged_scores, *draft.scores[1:]], frontier_scores, level):
+            if not gate(gate_scores(draft, merged or {}), frontier_scores, level):
                 break
         candidates = expand(draft.freeze(), frontier)
         next_frontier = []
@@ -153,6 +154,25 @@ def build_tree(
     if kind == "dynamic":
         draft = prune(draft, max_nodes)
     return draft
+
+
+def gate_scores(draft: TreeDraft, merged: Mapping[tuple[int, ...], float]) -> list[float]:
+    """Scores of the merged candidates and of the drafted nodes, a node whose path equals a merged
+    candidate's counted once, at the higher score (the merge will keep one node for both).
+    E.g. drafted root -> 7 (0.6) -> 8 (0.3), merged {(7,): 0.5, (9,): 0.4}: [0.6, 0.4, 0.3]."""
+    if not merged:
+        return draft.scores[1:]
+    best = dict(merged)
+    drafted: list[float] = []
+    paths: list[tuple[int, ...]] = [()]  # tokens after the root, per node (a parent precedes its children)
+    for node in range(1, len(draft.tokens)):
+        path = (*paths[draft.parents[node]], draft.tokens[node])
+        paths.append(path)
+        if path in best:
+            best[path] = max(best[path], draft.scores[node])
+        else:
+            drafted.append(draft.scores[node])
+    return [*best.values(), *drafted]
 
 
 def prune(draft: TreeDraft, max_nodes: int) -> TreeDraft:

@@ -1,6 +1,6 @@
 import torch
 
-from causaldraft.tree import Tree, TreeDraft, build_tree, compile_tree, full_mask, merge_paths, prune
+from causaldraft.tree import Tree, TreeDraft, build_tree, compile_tree, full_mask, gate_scores, merge_paths, prune
 
 
 def test_worked_example_mask_positions_and_paths() -> None:
@@ -88,8 +88,16 @@ def test_a_gate_ends_the_tree_before_a_level_and_sees_merged_scores() -> None:
         return level < 2
 
     draft = build_tree("dynamic", 1, fixed_expander, depth=4, width=2, max_nodes=32, gate=two_levels,
-                       merged_scores=[0.7])  # fmt: skip
+                       merged={(999,): 0.7})  # fmt: skip
     assert max(Tree(tuple(draft.parents), tuple(draft.tokens)).depths) == 2
     assert [level for _, _, level in calls] == [0, 1, 2]
     assert calls[0] == ([0.7], [1.0], 0)  # before level 0: only the merged candidates, the root's score
     assert calls[2][0][0] == 0.7 and len(calls[2][0]) == len(draft.tokens)  # merged + every drafted node
+
+
+def test_the_gate_counts_a_merged_candidate_the_tree_holds_once() -> None:
+    draft = TreeDraft(parents=[-1], tokens=[1], scores=[1.0])
+    draft.add(draft.add(0, 7, 0.6), 8, 0.5)  # root -> 7 (0.6) -> 8 (0.3)
+    assert gate_scores(draft, {(7,): 0.5, (9,): 0.4}) == [0.6, 0.4, 0.3]
+    assert gate_scores(draft, {(7,): 0.9, (7, 8): 0.2}) == [0.9, 0.3]
+    assert gate_scores(draft, {}) == [0.6, 0.3]

@@ -136,7 +136,7 @@ class Eagle3Drafter:
         budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
-            merged = self.lookup.scores(paths) if self.lookup is not None else []
+            merged = self.lookup.scores(paths) if self.lookup is not None else {}
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
                                self.catching_up(context.gate), merged)  # fmt: skip
         if self.lookup is not None:

@@ -236,7 +236,7 @@ class HeadsDrafter:
         budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
-            merged = self.lookup.scores(paths) if self.lookup is not None else []
+            merged = self.lookup.scores(paths) if self.lookup is not None else {}
             draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
                                context.gate, merged)  # fmt: skip
         if self.lookup is not None:

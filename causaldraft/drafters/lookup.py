@@ -205,14 +205,15 @@ class LookupMerge:
         """Tree nodes the paths may add (distinct prefixes)."""
         return len({path.tokens[:end] for path in paths for end in range(1, len(path.tokens) + 1)})
 
-    def scores(self, paths: list[Continuation]) -> list[float]:
-        """The scores ``merge`` gives the paths' nodes (a shared prefix once, at its best score)."""
+    def scores(self, paths: list[Continuation]) -> dict[tuple[int, ...], float]:
+        """The score ``merge`` gives each of the paths' nodes, by its tokens after the root (a shared
+        prefix once, at its best score)."""
         best: dict[tuple[int, ...], float] = {}
         for path in paths:
             for end in range(1, len(path.tokens) + 1):
                 score = self.lookup.rates.score(path.match, end - 1, path.rank)
                 best[path.tokens[:end]] = max(best.get(path.tokens[:end], 0.0), score)
-        return list(best.values())
+        return best
 
     def merge(self, draft: TreeDraft, paths: list[Continuation], max_nodes: int) -> None:
         self.lookup.merge(draft, paths, max_nodes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -238,3 +239,11 @@ def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytes
     assert (again / STORE_FILE).read_bytes() == (out / STORE_FILE).read_bytes()
     assert main(["build-store", "--model", str(tiny_llama_dir), "--out", str(again)]) == 2  # neither source
     assert "either --prompts" in capsys.readouterr().err
+    for change, message in (({"fingerprint": "0123456789abcdef"}, "another model's answers"),
+                            ({"temperature": 0.8}, "sampled answers")):  # fmt: skip
+        data = tmp_path / f"data-{message.split()[0]}"
+        shutil.copytree(work / "store-data-seed0", data)
+        meta = json.loads((data / "meta.json").read_text())
+        (data / "meta.json").write_text(json.dumps({**meta, **change}))
+        assert main(["build-store", "--model", str(tiny_llama_dir), "--from", str(data), "--out", str(again)]) == 2
+        assert message in capsys.readouterr().err

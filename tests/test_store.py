@@ -99,6 +99,12 @@ def test_n_grams_do_not_cross_sequences() -> None:
     assert store_of([(5, 6, 7), (5, 6, 7)]).guess((5, 6)) == StoreGuess(7, 2, 1.0)
 
 
+def test_a_corpus_shorter_than_the_longest_n_gram_builds() -> None:
+    assert store_of([(1, 2, 3)]).guess((1, 2)) is None  # seen once: below MIN_COUNT
+    assert store_of([(1, 2, 3), (1, 2, 3)]).guess((1, 2)) == StoreGuess(3, 2, 1.0)
+    assert len(store_of([])) == 0 and store_of([]).guess((1, 2)) is None
+
+
 def test_a_continuation_stops_when_it_gets_unsure() -> None:
     store = store_of([(1, 2, 3, 4, 5)] * 2 + [(1, 2, 9, 9, 9)] * 2 + [(7, 2, 3, 4, 6)] * 3)
     walked = store.continuation((0, 1, 2), 5)

@@ -140,7 +140,7 @@ def build_index(
     rolling = np.zeros(len(tokens), dtype=np.uint64)  # rolling[i]: hash of the size-n gram ending at i - 1
     with np.errstate(over="ignore"):
         for size in range(1, max_ngram + 1):
-            rolling[size:] = rolling[size:] * multiplier + values[: len(tokens) - size]
+            rolling[size:] = rolling[size:] * multiplier + values[: max(0, len(tokens) - size)]
             if size >= min_ngram:
                 valid = np.flatnonzero(offset >= size)
                 hashes.append(rolling[valid])

@@ -11,7 +11,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from causaldraft.api import load
@@ -27,6 +26,7 @@ from causaldraft.drafters.store import (
     NgramStore,
     StoreConfig,
     StoreGuess,
+    corpus_arrays,
     load_store,
     save_store,
 )
@@ -42,8 +42,7 @@ CORPUS_PROMPTS = [*PROMPTS, "one two three", "the mat", "a b c d", "zzz top"]
 
 
 def store_of(sequences: Sequence[Sequence[int]], vocab_size: int = 100) -> NgramStore:
-    tokens = np.array([token for sequence in sequences for token in sequence], dtype=np.int32)
-    starts = np.array([0, *np.cumsum([len(sequence) for sequence in sequences])], dtype=np.int64)
+    tokens, starts = corpus_arrays(sequences)
     return NgramStore(StoreConfig("test", vocab_size, len(tokens), len(sequences)), tokens, starts)
 
 

@@ -182,13 +182,20 @@ def default_store_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "heads" / "default" / "store"
 
 
-def save_store(directory: Path, sequences: Sequence[Sequence[int]], config: StoreConfig) -> None:
+def corpus_arrays(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences back to back, tokens [N] int32, and their starts [S + 1] int64 (ending with N)."""
+    tokens = np.array([token for sequence in sequences for token in sequence], dtype=np.int32)
+    starts = np.concatenate([[0], np.cumsum([len(sequence) for sequence in sequences], dtype=np.int64)])
+    return tokens, starts.astype(np.int64)
+
+
+def save_store(directory: Path, sequences: Sequence[Sequence[int]], config: StoreConfig) -> NgramStore:
+    """Write the store's files; returns the store they load as."""
     directory.mkdir(parents=True, exist_ok=True)
-    lengths = [len(sequence) for sequence in sequences]
-    starts = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
-    flat = torch.tensor([token for sequence in sequences for token in sequence], dtype=torch.int32)
-    save_file({"tokens": flat, "starts": starts}, str(directory / STORE_FILE))
+    tokens, starts = corpus_arrays(sequences)
+    save_file({"tokens": torch.from_numpy(tokens), "starts": torch.from_numpy(starts)}, str(directory / STORE_FILE))
     (directory / CONFIG_FILE).write_text(json.dumps(asdict(config), indent=2) + "\n")
+    return NgramStore(config, tokens, starts)
 
 
 def read_store_config(directory: Path) -> StoreConfig:

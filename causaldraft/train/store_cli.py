@@ -15,10 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from causaldraft.drafters.heads import base_fingerprint
-from causaldraft.drafters.store import NgramStore, StoreConfig, save_store
+from causaldraft.drafters.store import StoreConfig, save_store
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
 from causaldraft.models.native import NativeLlama
@@ -78,10 +76,7 @@ def run(args: argparse.Namespace) -> int:
     }
     config_out = StoreConfig(base_fingerprint(backend), backend.shape.vocab_size, sum(map(len, responses)),
                              len(responses), record=record)  # fmt: skip
-    save_store(args.out, responses, config_out)
-    lengths = np.array([len(response) for response in responses], dtype=np.int64)
-    store = NgramStore(config_out, np.array([t for r in responses for t in r], dtype=np.int32),
-                       np.concatenate([[0], np.cumsum(lengths)]))  # fmt: skip
+    store = save_store(args.out, responses, config_out)
     summary = {"out": str(args.out), "tokens": config_out.tokens, "sequences": config_out.sequences,
                "ngrams": len(store), "seconds": round(time.perf_counter() - began, 1)}  # fmt: skip
     print(json.dumps(summary))

@@ -34,6 +34,7 @@ import torch
 from causaldraft.config import DecodeConfig, TreeConfig
 from causaldraft.drafters.base import Draft
 from causaldraft.models.base import Backend
+from causaldraft.tree import LevelGate
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
@@ -175,6 +176,16 @@ class AdaptState:
     level_age: list[int] = field(default_factory=list)  # gated steps since each level was last timed
     declined: int = 0  # consecutive sized steps that verified the root alone (drafted nothing worth it)
     timed: bool = True  # False: no decision depends on measured times (seeded, reproducible runs)
+
+
+def score_gate(min_score: float) -> LevelGate:
+    """The untimed depth gate: draft a level iff a frontier node scores at least ``min_score``
+    (scores alone decide, never the clock). Example at 0.2: frontier [0.5, 0.1] drafts; [0.15] stops."""
+
+    def gate(scores: list[float], frontier: list[float], level: int) -> bool:
+        return max(frontier, default=0.0) >= min_score
+
+    return gate
 
 
 def initial_adapt_state(tree: TreeConfig, timed: bool = True) -> AdaptState:
@@ -336,6 +347,11 @@ class BudgetPolicy:
     def sized(self) -> bool:
         return self.decode.adapt and self.state.timed
 
+    @property
+    def scored(self) -> bool:
+        """Adaptive but untimed: trees are sized by their scores alone (``DecodeConfig.untimed_min_score``)."""
+        return self.decode.adapt and not self.state.timed
+
     def limits(self) -> DraftLimits | None:
         """What to draft this step; None: decode plainly (after a fallback). Sized: with a fresh
         ``DepthGate`` that decides, level by level, how deep the tree grows."""
@@ -346,14 +362,21 @@ class BudgetPolicy:
             decode = self.decode
             self.gate = DepthGate(self.state, self.cost, self.tree.max_nodes, decode.reprobe_every,
                                   time.perf_counter(), always_first=not decode.fallback)  # fmt: skip
-        return DraftLimits(self.state.depth, self.state.width, self.tree.max_nodes, self.gate)
+        gate: LevelGate | None = score_gate(self.decode.untimed_min_score) if self.scored else self.gate
+        return DraftLimits(self.state.depth, self.state.width, self.tree.max_nodes, gate)
 
     def prune(self, draft: Draft) -> Draft:
         """Keep the node budget that maximises expected tokens per second, for the drafting time
         this step spent (measured from ``limits()``; the running average if it was not asked). The
         root alone may win (candidates too unsure to verify), except when probing or with
-        ``--no-fallback``."""
-        if draft.tree.size <= 1 or not self.sized or draft.child_mode != "deterministic":
+        ``--no-fallback``. Untimed (``scored``): the nodes scoring at least ``untimed_min_score``.
+        Fixed trees (``--no-adapt``) and sampled children are kept whole."""
+        if draft.tree.size <= 1 or draft.child_mode != "deterministic":
+            return draft
+        if self.scored:
+            sure = sum(score >= self.decode.untimed_min_score for score in draft.scores[1:])
+            return draft if sure + 1 >= draft.tree.size else draft.pruned(sure + 1)
+        if not self.sized:
             return draft
         ranked = sorted(draft.scores[1:], reverse=True)
         spent = time.perf_counter() - self.gate.started if self.gate is not None else self.state.draft_seconds
@@ -396,4 +419,4 @@ class DraftLimits:
     depth: int
     width: int
     max_nodes: int
-    gate: DepthGate | None = None
+    gate: LevelGate | None = None

@@ -1,6 +1,7 @@
 """The cost model: verify cost by node count (eager and compiled buckets) and the budget choice."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -116,10 +117,17 @@ def test_the_sized_policy_gates_prunes_learns_level_costs_and_reprobes() -> None
     assert policy.prune(chain_draft([0.01, 0.001])).tree.size == 2  # a probe verifies a draft node, however unsure
     policy.observe(chain_draft([0.01]), accepted=0, draft_seconds=0.0, verify_seconds=0.020)
     assert policy.state.declined == 0
+    # reproducible runs never size drafts from the clock: their scores alone decide
     untimed = BudgetPolicy(tree, decode, cost, initial_adapt_state(tree, timed=False))
-    assert untimed.limits() is not None and untimed.gate is None
+    limits = untimed.limits()
+    assert limits is not None and limits.gate is not None and untimed.gate is None
+    assert limits.gate([], [1.0], 0) and limits.gate([0.9], [0.5, 0.1], 1) and not limits.gate([0.9], [0.19], 1)
     draft = chain_draft([0.9, 0.8, 0.7, 0.2, 0.1, 0.05, 0.02, 0.01])
-    assert untimed.prune(draft) is draft  # reproducible runs never size drafts from the clock
+    assert untimed.prune(draft).tree.tokens == (0, 1, 2, 3, 4)  # the nodes scoring >= untimed_min_score (0.2)
+    assert untimed.prune(chain_draft([0.1])).tree.size == 1  # nothing sure enough: a plain step
+    fixed = BudgetPolicy(tree, replace(decode, adapt=False), cost, initial_adapt_state(tree, timed=False))
+    fixed_limits = fixed.limits()
+    assert fixed_limits is not None and fixed_limits.gate is None and fixed.prune(draft) is draft  # --no-adapt
 
 
 def test_a_level_declined_for_an_old_slow_time_is_timed_again() -> None:

@@ -4,6 +4,7 @@ of every drafter that walks it, and ``causaldraft build-store``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -39,6 +40,7 @@ from tests.test_heads import random_heads_dir
 
 PROMPTS = ["hello world hello world", "the cat sat on the mat. the cat", "abcabcabc"]
 CORPUS_PROMPTS = [*PROMPTS, "one two three", "the mat", "a b c d", "zzz top"]
+MIN_SCORE = 0.02  # the untimed policy's threshold in the law test: about half of the nodes pass
 
 
 def store_of(sequences: Sequence[Sequence[int]], vocab_size: int = 100) -> NgramStore:
@@ -214,14 +216,19 @@ def test_greedy_output_with_the_store_is_token_identical_to_plain(
         assert max(step.nodes for step in result.stats.steps) > 2  # it really drafted
 
 
-@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
+@pytest.mark.parametrize(("sampler", "adapt"), [("gumbel", False), ("rejection", False), ("rejection", True)])
 def test_sampled_output_with_the_store_follows_the_exact_target_law(
-    tiny_llama_dir: Path, tiny: LoadedModel, store_dir: Path, sampler: str
+    tiny_llama_dir: Path, tiny: LoadedModel, store_dir: Path, sampler: str, adapt: bool
 ) -> None:
+    """Also under seeded rejection sampling with adaptation on, where trees are cut by their scores
+    (``DecodeConfig.untimed_min_score``, lowered so that some nodes of this untrained model pass)."""
     engine = load(loaded=tiny, drafter="lookup", tree="dynamic", depth=2, store=str(store_dir), calibrate=False,
-                  fallback=False, adapt=False, sampler=sampler)  # fmt: skip
+                  fallback=False, adapt=adapt, sampler=sampler)  # fmt: skip
+    decode = dataclasses.replace(engine.decoder.decode, untimed_min_score=MIN_SCORE)
+    engine.decoder = dataclasses.replace(engine.decoder, decode=decode)
     pvalue, drafted = law_test(engine, tiny_llama_dir, {})
     assert drafted > SAMPLES and pvalue > 1e-4
+    assert drafted < 2 * SAMPLES if adapt else drafted == 2 * SAMPLES  # the scores cut some trees
 
 
 def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,7 +30,11 @@ from causaldraft.models.quant import (
 needs_kernel = pytest.mark.skipif(
     not int4_kernel.cpu_supported() or shutil.which("c++") is None, reason="no AVX-512 bf16 or AVX2, or no compiler"
 )
-KERNEL_TESTS = "products or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for or int8 or bf16"
+KERNEL_TESTS = (
+    "(products_match or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for)"
+    " and not int8 and not bf16"
+)
+WIDE_TESTS = "int8 or bf16"  # the AVX2 build's other products
 needs_int8 = pytest.mark.skipif(
     not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().wide) or shutil.which("c++") is None,  # type: ignore[union-attr]
     reason="the int8 and bf16 products are the AVX2 build's",
@@ -219,10 +223,48 @@ def other_builds() -> list[str]:
 @pytest.mark.parametrize("isa", other_builds() or [pytest.param("none", marks=pytest.mark.skip("one build here"))])
 def test_the_other_builds_pass_the_kernel_tests(isa: str) -> None:
     env = {**os.environ, int4_kernel.SWITCH: isa}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", KERNEL_TESTS]
+    wide = next(build for build in int4_kernel.BUILDS if build.isa == isa).wide
+    tests = f"{KERNEL_TESTS} or {WIDE_TESTS}" if wide else KERNEL_TESTS
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+PRODUCTS_CODE = """
+import sys, torch
+from causaldraft.models import int4_kernel
+from causaldraft.models.quant import Int4Linear, quantize_int4
+assert int4_kernel.build_for_cpu().isa == sys.argv[2]
+generator = torch.Generator().manual_seed(4)
+outputs = []
+for out_features, in_features, rows in [(16, 32, 1), (48, 96, 3), (192, 576, 9), (64, 1536, 5)]:
+    linear = Int4Linear(quantize_int4(torch.randn(out_features, in_features, generator=generator) * 0.05), None)
+    assert linear.kernel == "blocks"
+    x = (torch.randn(rows, in_features, generator=generator) * 3).to(torch.bfloat16)
+    x[0, :32] = 0  # a group of zeros
+    x[-1, 32 % in_features] = 1e4  # a group dominated by one input
+    outputs.append(linear(x))
+torch.save(outputs, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(
+    not {"avx2", "vnni"} <= {b.isa for b in int4_kernel.BUILDS if set(b.cpu_flags) <= set(int4_kernel.cpu_flags())}
+    or shutil.which("c++") is None,
+    reason="needs a CPU that runs both the AVX2 and the VNNI build",
+)
+def test_the_vnni_build_computes_the_avx2_build_s_bits(tmp_path: Path) -> None:
+    """The two int8-activation builds: the same rounding, exact integer dot products and the same fp32 steps,
+    so every output is the same bf16 value (each build runs in its own process: both define the operator)."""
+    results = {}
+    for isa in ("avx2", "vnni"):
+        env = {**os.environ, int4_kernel.SWITCH: isa}
+        path = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, "-c", PRODUCTS_CODE, str(path), isa], env=env, check=True)
+        results[isa] = torch.load(path)
+    for avx2, vnni in zip(results["avx2"], results["vnni"], strict=True):
+        assert avx2.dtype == torch.bfloat16 and torch.equal(avx2, vnni)
 
 
 @needs_int8

@@ -109,13 +109,14 @@ def architecture_digest(model: NativeLlama) -> str:
     return digest.hexdigest()[:16]
 
 
-def code_digest() -> str:
+def code_digest(quantized: bool) -> str:
     """The code of the modules the graph is traced from: their syntax trees without docstrings, so
-    formatting, comments and documentation do not count."""
+    formatting, comments and documentation do not count; for a quantized model also the int4
+    kernels' sources (its graphs call their operator: a new kernel, new calibrations)."""
     digest = hashlib.sha256()
     for module in (native, blocked, products, quant, sys.modules[__name__]):
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
-    for source in int4_kernel.SOURCES:  # the graphs call its operator: a new kernel, new calibrations
+    for source in int4_kernel.SOURCES if quantized else ():
         digest.update(source.read_bytes())
     # blocked attention: the kernel's source where the graphs call it, else torch's ops
     digest.update(attention_kernel.SOURCE.read_bytes() if attention_kernel.available() else b"torch attention")
@@ -160,10 +161,13 @@ class GraphKey:
         dtype = str(model.dtype)
         if model.quantized:
             kernels = quant.int4_kernels(model)  # the graphs call one kernel or the other
-            dtype = "int8" if not kernels else "int4-blocks" if "blocks" in kernels else "int4"
+            build = int4_kernel.build_for_cpu()  # which build's operator, and so which costs
+            blocks = f"int4-blocks-{build.isa}" if build is not None else "int4-blocks"
+            dtype = "int8" if not kernels else blocks if "blocks" in kernels else "int4"
         architecture = architecture_digest(model)
         weights = values_digest(model) if frozen_weights(model) else ""
-        return GraphKey(architecture, dtype, aux_layers, code_digest(), torch.__version__, cpu_signature(), weights)
+        code = code_digest(model.quantized)
+        return GraphKey(architecture, dtype, aux_layers, code, torch.__version__, cpu_signature(), weights)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]

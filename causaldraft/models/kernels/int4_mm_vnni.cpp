@@ -1,0 +1,205 @@
+// int4 weight x int8 activation product for CPUs with AVX-512 VNNI (e.g. AMD Zen 4/5, Intel since Ice Lake), on
+// the same records as int4_mm.cpp and int4_mm_avx2.cpp (causaldraft/models/int4_kernel.py has the layout,
+// docs/int4-kernel.md the arithmetic). The AVX2 build's arithmetic, bit for bit (tested): each row's activations
+// are rounded to int8 per group of 32 inputs (d = amax / 127, xi = round(x / d), S = sum of xi), D = sum of
+// xi q over the group is an exact integer, and per channel total += float(D - 8 S) * (scale * d) + zero * (d * S)
+// in fp32, group by group in input order, rounded once to bf16.
+//
+// How (stop 32): a chunk c of a record (32 bytes; byte 2n + p holds channel n's values at inputs 4c + p in its
+// low nibble and 4c + 2 + p in its high one) becomes, by one word permutation of its low and high nibbles
+// (vpermw), 16 lanes of 4 bytes: lane n = channel n's values at inputs 4c .. 4c + 3. One vpdpbusd per row then
+// adds each channel's 4 products with the row's xi[4c .. 4c + 3] (broadcast from memory) to its int32 D: 8
+// instructions per row and record, against 16 bf16 dot products and 16 broadcasts in the AVX-512 bf16 build
+// and 48 in the AVX2 build. A block's rows keep their fp32 totals in registers across its groups, 4 rows at a
+// time (a block's records, at most a few KB, are read again from cache for rows 5 and on). A row's
+// instructions do not depend on the call's other rows or threads: row-invariant (tested).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output channels per block (one zmm of lanes)
+constexpr int64_t kGroup = 32;  // inputs per quantization group
+constexpr int64_t kChunks = kGroup / 4;  // 32-byte chunks of a record, 4 inputs each
+constexpr int64_t kNibbles = kBlock * kGroup / 2;  // bytes of int4 values per (block, group)
+constexpr int64_t kBytes = kNibbles + 4 * kBlock;  // + 16 bf16 scales + 16 bf16 zeros
+constexpr int64_t kAhead = 8;  // records prefetched ahead of the one being read
+constexpr int kRowsAtOnce = 4;  // rows whose totals stay in registers over a block's groups
+constexpr int kLargest = 127;  // quantized activations lie in [-127, 127]
+
+// Rows' activations rounded per group as in the AVX2 build (the same scalar code): values [rows, in] in input
+// order; per (row, group) the step d, the sum S and d * S.
+struct QuantizedRows {
+  std::vector<int8_t> values;
+  std::vector<float> step;
+  std::vector<int32_t> sum;
+  std::vector<float> step_sum;
+};
+
+void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t in_features, QuantizedRows& q) {
+  const int64_t groups = in_features / kGroup;
+  q.values.resize(rows * in_features);
+  q.step.resize(rows * groups);
+  q.sum.resize(rows * groups);
+  q.step_sum.resize(rows * groups);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const c10::BFloat16* in = x + m * in_features + g * kGroup;
+      float amax = 0.0f;
+      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(in[i])));
+      const float inverse = amax > 0.0f ? kLargest / amax : 0.0f;
+      int8_t* out = q.values.data() + m * in_features + g * kGroup;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int value = std::clamp(static_cast<int>(std::nearbyint(static_cast<float>(in[i]) * inverse)),
+                                     -kLargest, kLargest);
+        out[i] = static_cast<int8_t>(value);
+        sum += value;
+      }
+      const float step = amax / kLargest;
+      q.step[m * groups + g] = step;
+      q.sum[m * groups + g] = sum;
+      q.step_sum[m * groups + g] = step * static_cast<float>(sum);
+    }
+  }
+}
+
+inline __m512 bf16_to_fp32(const uint8_t* bytes) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
+// Word indices gathering [low nibbles (words 0-15) | high nibbles (words 16-31)] into lane n = (low word n, high
+// word n): channel n's values at inputs 4c, 4c + 1, 4c + 2, 4c + 3.
+inline __m512i quad_order() {
+  alignas(64) uint16_t index[32];
+  for (int n = 0; n < 16; ++n) {
+    index[2 * n] = static_cast<uint16_t>(n);
+    index[2 * n + 1] = static_cast<uint16_t>(16 + n);
+  }
+  return _mm512_load_si512(index);
+}
+
+// The 8 chunks of a record as vpdpbusd operands (unsigned bytes 0..15, lane n = channel n).
+inline void unpack(const uint8_t* record, __m512i order, __m512i* quads) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32 * c));
+    const __m256i q01 = _mm256_and_si256(bytes, low);
+    const __m256i q23 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    quads[c] = _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(q01), q23, 1));
+  }
+}
+
+// R rows' totals += one record's terms. ``xs[r]``: row r's 32 rounded values of the group.
+template <int R>
+inline void rows_group(const __m512i* quads, const int8_t* const* xs, const float* steps, const int32_t* sums,
+                       const float* step_sums, __m512 scale, __m512 zero, __m512* totals) {
+  __m512i dots[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t x0123;
+      std::memcpy(&x0123, xs[r] + 4 * c, 4);
+      dots[r] = _mm512_dpbusd_epi32(dots[r], quads[c], _mm512_set1_epi32(x0123));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512i t = _mm512_add_epi32(dots[r], _mm512_set1_epi32(-8 * sums[r]));
+    const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(scale, _mm512_set1_ps(steps[r])),
+                                         totals[r]);
+    totals[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(step_sums[r]), value);
+  }
+}
+
+// Rows m .. m + R - 1 of block b, over all its groups.
+template <int R>
+inline void rows_block(const uint8_t* weights, int64_t b, int64_t groups, int64_t last, int64_t m,
+                       int64_t in_features, const QuantizedRows& q, __m512i order, float* out) {
+  __m512 totals[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) totals[r] = _mm512_setzero_ps();
+  __m512i quads[kChunks];
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t index = b * groups + g;
+    const uint8_t* record = weights + index * kBytes;
+    const uint8_t* ahead = weights + std::min(index + kAhead, last) * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    }
+    unpack(record, order, quads);
+    const int8_t* xs[R];
+    float steps[R], step_sums[R];
+    int32_t sums[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m + r) * groups + g;
+      xs[r] = q.values.data() + (m + r) * in_features + g * kGroup;
+      steps[r] = q.step[at];
+      sums[r] = q.sum[at];
+      step_sums[r] = q.step_sum[at];
+    }
+    rows_group<R>(quads, xs, steps, sums, step_sums, bf16_to_fp32(record + kNibbles),
+                  bf16_to_fp32(record + kNibbles + 2 * kBlock), totals);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kBlock, totals[r]);
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_mm: x must be [m, k] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "int4_mm: bad packed");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(groups * kGroup == in_features && packed.size(2) == kBytes, "int4_mm: packed does not fit x");
+  at::Tensor out = at::empty({rows, blocks * kBlock}, x.options());
+  if (rows == 0) return out;
+  QuantizedRows q;
+  quantize_rows(x.data_ptr<at::BFloat16>(), rows, in_features, q);
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
+  auto* result = out.data_ptr<at::BFloat16>();
+  const int64_t out_features = blocks * kBlock;
+  const int64_t last = blocks * groups - 1;  // the last record (prefetches stay within the weights)
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const __m512i order = quad_order();
+    alignas(64) float totals[kRowsAtOnce * kBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t m = 0; m < rows; m += kRowsAtOnce) {
+        const int count = static_cast<int>(std::min<int64_t>(kRowsAtOnce, rows - m));
+        if (count == 1) rows_block<1>(weights, b, groups, last, m, in_features, q, order, totals);
+        if (count == 2) rows_block<2>(weights, b, groups, last, m, in_features, q, order, totals);
+        if (count == 3) rows_block<3>(weights, b, groups, last, m, in_features, q, order, totals);
+        if (count == 4) rows_block<4>(weights, b, groups, last, m, in_features, q, order, totals);
+        for (int r = 0; r < count; ++r) {
+          for (int64_t n = 0; n < kBlock; ++n) {
+            result[(m + r) * out_features + b * kBlock + n] = c10::BFloat16(totals[r * kBlock + n]);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(causaldraft, m) {
+  m.def("int4_mm(Tensor x, Tensor packed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(causaldraft, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+}

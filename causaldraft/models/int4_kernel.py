@@ -17,15 +17,17 @@ product of 2 / 4 rows then costs ~1.3x / ~1.7x one row, against ~2x / ~2.7x with
 multiply-adds. Every output element is computed by the same instructions whatever the row count and
 the thread count, so the product is row-invariant, which exactness needs (docs/exactness.md).
 
-The VNNI build (since stop 32) computes the AVX2 build's arithmetic bit for bit with AVX-512 VNNI
-integer dot products (vpdpbusd: 4 products per lane, one instruction per row and 4 inputs of 16
-channels), so an extra row costs about half what it costs the AVX-512 bf16 build's dot products: 4-row
-products ~2.4 ms against ~2.9 for the default model's pass, and int4 trees 6-12 % more tokens/s.
+The VNNI build (since stop 32, ``CAUSALDRAFT_INT4_KERNEL=vnni``) computes the AVX2 build's arithmetic bit
+for bit with AVX-512 VNNI integer dot products (vpdpbusd: one instruction per row and 4 inputs of 16
+channels), so an extra row costs about half what it costs the AVX-512 bf16 build: 4-row products ~2.4 ms
+against ~2.9 for the default model's pass, and int4 trees 6-12 % more tokens/s. It is not the default:
+the int8 activations cost the default model's int4 output a fourfold KL against fp32 (0.00277 against
+0.00066; greedy match 96.3 % against 98.4 %, ``bench/quant_quality.py``).
 
-Used where the CPU has AVX-512 VNNI (that build), else AVX-512 with bf16 (the bf16 build), else AVX2
-with FMA (the AVX2 build), all on the same records, when a C++ compiler is found and
-``CAUSALDRAFT_INT4_KERNEL`` is not ``torch``; it may name a build (``avx512_bf16``, ``avx2``) to pick it
-where the CPU runs it. Otherwise int4 linears use torch's kernel (with a message when a build failed).
+Used where the CPU has AVX-512 with bf16 (the bf16 build), else AVX2 with FMA (the AVX2 build), all on
+the same records, when a C++ compiler is found and ``CAUSALDRAFT_INT4_KERNEL`` is not ``torch``; it may
+name a build (``vnni``, ``avx2``) to pick it where the CPU runs it. Otherwise int4 linears use torch's
+kernel (with a message when a build failed).
 The builds use OpenMP threads (``-fopenmp``: ``at::parallel_for`` is inline and runs serially without it).
 The build (~10 s) lands in ``$CAUSALDRAFT_HOME/kernels/<digest of the source, flags and torch>``.
 
@@ -66,25 +68,26 @@ class Build:
 
 # In order of preference. All read the same records; the VNNI and AVX2 builds round activations to int8
 # per group and compute the same bits (compiled graphs are keyed by the build, so each has its own).
-# The VNNI build replaces the bf16 one where both run; a CPU with VNNI but no AVX-512 bf16 keeps the AVX2
-# build, whose int8 and bf16 products (``wide``) it uses where oneDNN lacks bf16 products.
+# Where AVX-512 bf16 runs, its exact products are the default and the VNNI build (faster per extra row,
+# int8 activations) is chosen by ``SWITCH``; a CPU with VNNI but no AVX-512 bf16 keeps the AVX2 build,
+# whose int8 and bf16 products (``wide``) it uses where oneDNN lacks bf16 products.
 BUILDS = (
-    Build(
-        "vnni", KERNELS / "int4_mm_vnni.cpp",
-        ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"), int8_activations=True,
-    ),
     Build(
         "avx512_bf16", KERNELS / "int4_mm.cpp",
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
     ),
     Build(
+        "vnni", KERNELS / "int4_mm_vnni.cpp",
+        ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"), int8_activations=True,
+    ),
+    Build(
         "avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"), wide=True,
         int8_activations=True,
     ),
 )  # fmt: skip
-SOURCES = tuple(build.source for build in BUILDS)
+SOURCES = tuple(sorted({build.source for build in BUILDS}))  # (graph keys hash them: not in preference order)
 BLOCK = 16  # output channels per record
 GROUP = 32  # inputs per record (the quantization group)
 INT8_BLOCK = 8  # output channels per record of ``int8_mm`` (one int32 lane each)

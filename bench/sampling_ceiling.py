@@ -37,25 +37,13 @@ from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
-from causaldraft.train.calibration import CHUNK_ROWS, gumbel
+from causaldraft.train.calibration import CHUNK_ROWS, gumbel, target_samples
 from causaldraft.train.eagle3_train import Sequence, load_sequences, make_batch, ttt_outputs
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
 from causaldraft.train.trainer import draft_index
 
 CHILDREN = 4  # Gumbel-ranked children counted
 SEQUENCES_PER_BATCH = 8
-
-
-def target_samples(ids: torch.Tensor, logprobs: torch.Tensor, noise: torch.Tensor,
-                   generator: torch.Generator) -> torch.Tensor:  # fmt: skip
-    """The target's Gumbel sample per row [m] (full-vocabulary id; -1: in the lump), given its top-k
-    ``ids`` [m, k], their ``logprobs`` and the noise [m, vocab] of every token."""
-    width = ids.shape[1]
-    rest = (1.0 - logprobs.exp().sum(-1)).clamp(min=1e-6).log()  # [m] the lump's log-mass
-    lump = rest + gumbel((ids.shape[0],), generator)
-    choice = torch.cat([logprobs + noise.gather(1, ids), lump[:, None]], dim=1).argmax(-1)
-    picked = ids.gather(1, choice.clamp(max=width - 1)[:, None])[:, 0]
-    return torch.where(choice < width, picked, torch.full_like(picked, -1))
 
 
 def sampled_acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,23 @@ def argmax_nll(logits: torch.Tensor, targets: torch.Tensor, temperatures: tuple[
     ])  # fmt: skip
 
 
+def target_samples(
+    ids: torch.Tensor,  # [m, k] the target's top-k ids
+    logprobs: torch.Tensor,  # [m, k] their log-probs (float32)
+    noise: torch.Tensor,  # [m, vocab] Gumbel noise of every token
+    generator: torch.Generator,  # draws the lump's noise
+) -> torch.Tensor:
+    """The target's Gumbel sample per row [m]: the argmax of log p + g over its k known tokens and one
+    lump holding the rest of its mass; the full-vocabulary id, -1 when the lump wins (the drafter
+    cannot know which token that was)."""
+    width = ids.shape[1]
+    rest = (1.0 - logprobs.exp().sum(-1)).clamp(min=1e-6).log()  # [m] the lump's log-mass
+    scores = torch.cat([logprobs + noise.gather(1, ids), (rest + gumbel((ids.shape[0],), generator))[:, None]], dim=1)
+    choice = scores.argmax(-1)  # [m] in 0 .. k (k: the lump)
+    picked = ids.gather(1, choice.clamp(max=width - 1)[:, None])[:, 0]
+    return torch.where(choice < width, picked, torch.full_like(picked, -1))
+
+
 def coupled_agreement(
     draft_logits: torch.Tensor,  # [M, V'] draft logits, one row per held-out position
     vocab_ids: torch.Tensor,  # [V'] target id of each draft id
@@ -118,18 +135,12 @@ def coupled_agreement(
     the first ``NOISE_CHILDREN`` children is (summed binary log-loss)."""
     hits = torch.zeros(len(scales))
     loss = torch.zeros(len(scales), len(noise_temperatures))
-    width = target_ids.shape[1]
     children = min(NOISE_CHILDREN, vocab_ids.shape[0])
     for start in range(0, draft_logits.shape[0], CHUNK_ROWS):
         logits = draft_logits[start : start + CHUNK_ROWS].float()
         ids, logprobs = target_ids[start : start + CHUNK_ROWS], target_logprobs[start : start + CHUNK_ROWS].float()
-        rows = logits.shape[0]
-        noise = gumbel((rows, vocab_size), generator)  # [m, vocab]
-        rest = (1.0 - logprobs.exp().sum(-1)).clamp(min=1e-6).log()  # [m] the lump's log-mass
-        scores = torch.cat([logprobs + noise.gather(1, ids), (rest + gumbel((rows,), generator))[:, None]], dim=1)
-        choice = scores.argmax(-1)  # [m] in 0 .. k (k: the lump)
-        picked = ids.gather(1, choice.clamp(max=width - 1)[:, None])[:, 0]
-        sampled = torch.where(choice < width, picked, torch.full_like(picked, -1))  # [m] target id, -1: the lump
+        noise = gumbel((logits.shape[0], vocab_size), generator)  # [m, vocab]
+        sampled = target_samples(ids, logprobs, noise, generator)  # [m] target id, -1: the lump
         draft_noise = noise[:, vocab_ids]  # [m, V']
         for index, scale in enumerate(scales):
             perturbed = torch.log_softmax(logits / scale, dim=-1) + draft_noise  # [m, V']

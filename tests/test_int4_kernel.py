@@ -188,6 +188,18 @@ def test_the_switch_selects_torchs_kernel() -> None:
     assert result.stdout.strip() == "torch"
 
 
+def test_a_switch_naming_no_runnable_build_says_so() -> None:
+    """CAUSALDRAFT_INT4_KERNEL=<typo>: int4 linears still work, on torch's kernel, with a message naming the builds."""
+    code = (
+        "import torch; from causaldraft.models.quant import Int4Linear, quantize_int4; "
+        "print(Int4Linear(quantize_int4(torch.randn(16, 32)), None).kernel)"
+    )
+    env = {**os.environ, int4_kernel.SWITCH: "vnn"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "torch"
+    assert "CAUSALDRAFT_INT4_KERNEL=vnn: not a build (one of avx512_bf16, vnni, avx2, or torch)" in result.stderr
+
+
 @needs_kernel
 def test_a_failed_build_falls_back_to_torchs_kernel_with_a_message(tmp_path: Path) -> None:
     """No working compiler (CXX=false) and an empty home: int4 linears still work, on torch's kernel."""

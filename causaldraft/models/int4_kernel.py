@@ -149,11 +149,30 @@ def load_source(what: str, source: Path, flags: tuple[str, ...]) -> bool:
     return True
 
 
+def refused_switch() -> None:
+    """A message when ``SWITCH`` names no build this CPU runs (torch's kernel serves instead)."""
+    from causaldraft.models.quant import notify
+
+    wanted = os.environ.get(SWITCH, "").lower()
+    if wanted in ("", "torch"):
+        return
+    known = {build.isa: build for build in BUILDS}
+    if wanted not in known:
+        reason = f"not a build (one of {', '.join(known)}, or torch)"
+    else:
+        missing = [flag for flag in known[wanted].cpu_flags if flag not in cpu_flags()]
+        reason = f"this CPU lacks {' '.join(missing)}"
+    notify(f"{SWITCH}={wanted}: {reason}; int4 linears use torch's kernel")
+
+
 @functools.cache
 def available() -> bool:
     """Whether ``torch.ops.causaldraft.int4_mm`` is loaded (built first when needed); once per process."""
     build = build_for_cpu()
-    if build is None or not load_source("int4", build.source, build.flags):
+    if build is None:
+        refused_switch()
+        return False
+    if not load_source("int4", build.source, build.flags):
         return False
     torch.library.register_fake("causaldraft::int4_mm")(shape_of_product)
     if build.wide:

@@ -15,7 +15,7 @@ from causaldraft.adapt import calibration_name
 from causaldraft.api import verify_cost
 from causaldraft.cli import build_parser
 from causaldraft.flags import compile_wanted
-from causaldraft.models import compiled
+from causaldraft.models import compiled, int4_kernel
 from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, frozen_weights
 from causaldraft.models.loading import load_model, resolve_dtype
 from causaldraft.models.native import NativeLlama, default_aux_layers
@@ -44,12 +44,27 @@ def test_the_graph_key_separates_models_dtypes_torch_versions_and_code(
     assert GraphStore(key, tmp_path).directory not in directories and len(directories) == len(others)
 
 
+def test_bf16_layers_through_the_kernel_are_graph_inputs(tiny_llama_dir: Path) -> None:
+    """Where causaldraft's bf16 kernel is built, bf16 graphs call it with the weights as inputs, like int4
+    graphs: nothing frozen, a key naming the build and covering the kernels' sources, a one-row graph."""
+    bf16 = native(tiny_llama_dir, "bfloat16")
+    if not int4_kernel.bf16_available():
+        pytest.skip("no bf16 kernel here")
+    key = key_of(bf16)
+    assert compiled.kernel_products(bf16) and not frozen_weights(bf16) and key.weights == ""
+    build = int4_kernel.build_for_cpu()
+    assert build is not None and key.dtype == f"torch.bfloat16-blocks-{build.isa}"
+    assert key.code != key_of(native(tiny_llama_dir)).code  # fp32: no kernel sources in its code digest
+
+
 def test_bf16_packages_hold_their_weights_and_their_key_covers_the_values(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 layer weights are frozen into the packages (oneDNN reorders them once), so a model with
-    other weight values of the same shapes must get other packages; int8/int4/fp32 weights are
-    inputs, and bf16 models above the size bound keep them as inputs too."""
+    """Without causaldraft's kernels (here: turned off), bf16 layer weights are frozen into the packages
+    (oneDNN reorders them once), so a model with other weight values of the same shapes must get other
+    packages; int8/int4/fp32 weights are inputs, and bf16 models above the size bound keep them as inputs
+    too."""
+    monkeypatch.setenv(int4_kernel.SWITCH, "torch")
     bf16 = native(tiny_llama_dir, "bfloat16")
     assert frozen_weights(bf16) and key_of(bf16).weights
     assert key_of(native(tiny_llama_dir, "bfloat16")) == key_of(bf16)  # same values: same packages

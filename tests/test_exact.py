@@ -12,9 +12,9 @@ import torch
 
 from causaldraft.api import load
 from causaldraft.cache import KVCache
-from causaldraft.models import attention_kernel
+from causaldraft.models import attention_kernel, int4_kernel
 from causaldraft.models.blocked import KEY_BLOCK, blocked_keys, pass_room
-from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, kernel_products
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.models.products import (
@@ -115,13 +115,20 @@ def test_eager_tree_rows_equal_one_row_passes_in_torch_ops(
         assert_rows_match_one_row_passes(backend, prefix, layers)
 
 
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_compiled_tree_rows_equal_one_row_passes(tiny_llama_dir: Path, graph_root: Path, dtype: str) -> None:
-    """The one-row pass and the tree pass run different compiled graphs (buckets)."""
+@pytest.mark.parametrize("dtype", [*LOW_PRECISION, "bfloat16-onednn"])
+def test_compiled_tree_rows_equal_one_row_passes(
+    tiny_llama_dir: Path, graph_root: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-row pass and the tree pass run different compiled graphs (buckets). bf16 layers run through
+    causaldraft's bf16 kernel where it is built (a one-row graph), else through oneDNN with their weights
+    frozen into the graphs (no one-row graph): "bfloat16-onednn" turns the kernels off to cover that."""
+    if dtype == "bfloat16-onednn":
+        monkeypatch.setenv(int4_kernel.SWITCH, "torch")
+        dtype = "bfloat16"
     loaded = load_model(str(tiny_llama_dir), "native", dtype)
     backend = backend_of(loaded)
     layers = default_aux_layers(backend.llama_shape.num_layers)
-    buckets = (1, 16) if backend.quantized else (2, 16)
+    buckets = (1, 16) if kernel_products(backend) else (2, 16)
     compile_model(backend, buckets=buckets, store=GraphStore(GraphKey.of(backend, layers), graph_root), progress=False)
     for prefix in PREFIXES:
         assert_rows_match_one_row_passes(backend, prefix, layers)
@@ -236,15 +243,22 @@ def test_default_model_compiled_tree_rows_equal_one_row_passes(default_int4_comp
 
 
 @pytest.mark.slow
-def test_default_model_layers_frozen_in_bf16_graphs_are_row_invariant(graph_root: Path) -> None:
-    """bf16 graphs hold their weights reordered for oneDNN (models/compiled.py): the first four
-    layers of the default model (its real shapes: in_features 576 and 1536), buckets of 2 and 16 rows."""
+@pytest.mark.parametrize("products", ["kernel", "onednn"])
+def test_default_model_bf16_graphs_are_row_invariant(
+    graph_root: Path, products: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first four layers of the default model (its real shapes: in_features 576 and 1536) in bf16
+    graphs: through causaldraft's bf16 kernel (buckets of 1 and 16 rows), and through oneDNN with the
+    weights frozen into the graphs, reordered (models/compiled.py; buckets of 2 and 16 rows)."""
+    if products == "onednn":
+        monkeypatch.setenv(int4_kernel.SWITCH, "torch")
     full = backend_of(load_model("default", "native", "bfloat16"))
     backend = full.truncated(4)
     layers = default_aux_layers(backend.llama_shape.num_layers)
     key = GraphKey.of(backend, layers)
-    assert key.weights  # frozen
-    compile_model(backend, buckets=(2, 16), store=GraphStore(key, graph_root), progress=False)
+    assert bool(key.weights) == (products == "onednn") and kernel_products(backend) == (products == "kernel")
+    buckets = (1, 16) if products == "kernel" else (2, 16)
+    compile_model(backend, buckets=buckets, store=GraphStore(key, graph_root), progress=False)
     for prefix in PREFIXES:
         assert_rows_match_one_row_passes(backend, prefix, layers)
 

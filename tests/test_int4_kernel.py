@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from causaldraft.models import int4_kernel
+from causaldraft.models.packed import PackedLinear
 from causaldraft.models.quant import (
     Bf16BlockLinear,
     Int4Linear,
@@ -34,10 +35,15 @@ KERNEL_TESTS = (
     "(products_match or weight_seen or alone or thread or refused_by_the_kernel or build_asked_for)"
     " and not int8 and not bf16"
 )
-WIDE_TESTS = "int8 or bf16"  # the AVX2 build's other products
+INT8_TESTS = "int8"  # the AVX2 build's int8 product
+BF16_TESTS = "bf16"  # the bf16 product of the AVX-512 bf16 and AVX2 builds
 needs_int8 = pytest.mark.skipif(
-    not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().wide) or shutil.which("c++") is None,  # type: ignore[union-attr]
-    reason="the int8 and bf16 products are the AVX2 build's",
+    not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().int8_products) or shutil.which("c++") is None,  # type: ignore[union-attr]
+    reason="the int8 product is the AVX2 build's",
+)
+needs_bf16 = pytest.mark.skipif(
+    not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().bf16_products) or shutil.which("c++") is None,  # type: ignore[union-attr]
+    reason="the bf16 product is the AVX-512 bf16 and the AVX2 builds'",
 )
 
 
@@ -235,8 +241,8 @@ def other_builds() -> list[str]:
 @pytest.mark.parametrize("isa", other_builds() or [pytest.param("none", marks=pytest.mark.skip("one build here"))])
 def test_the_other_builds_pass_the_kernel_tests(isa: str) -> None:
     env = {**os.environ, int4_kernel.SWITCH: isa}
-    wide = next(build for build in int4_kernel.BUILDS if build.isa == isa).wide
-    tests = f"{KERNEL_TESTS} or {WIDE_TESTS}" if wide else KERNEL_TESTS
+    build = next(build for build in int4_kernel.BUILDS if build.isa == isa)
+    tests = " or ".join([f"({KERNEL_TESTS})"] + [INT8_TESTS] * build.int8_products + [BF16_TESTS] * build.bf16_products)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -320,9 +326,11 @@ def test_int8_rows_are_computed_as_if_alone_on_any_thread_count() -> None:
 
 
 def assert_rows_as_if_alone(linear: torch.nn.Module, x: torch.Tensor) -> None:
-    """Each of x's 7 rows gives the same bits alone, in pairs, in threes, and on 1 and 2 threads."""
-    alone = torch.cat([linear(x[i : i + 1]) for i in range(7)])
-    for start, stop in [(0, 7), (0, 2), (1, 4), (3, 7), (0, 5), (6, 7)]:  # threes, pairs, alone
+    """Each of x's rows (7 or more) gives the same bits alone, in pairs, in threes, in the call of all rows
+    and in others, and on 1 and 2 threads."""
+    n = x.shape[0]
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(n)])
+    for start, stop in [(0, n), (0, 2), (1, 4), (3, n), (0, 5), (n - 1, n), (2, n - 1)]:  # threes, pairs, alone
         assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
     threads = torch.get_num_threads()
     try:
@@ -348,30 +356,38 @@ def test_int8_bad_operands_are_refused_by_the_kernel() -> None:
     assert Int8Linear(quantize_int8(torch.randn(16, 48)), None).kernel == "torch"  # in % 32: torch's kernel
 
 
-@needs_int8
+@needs_bf16
 def test_bf16_block_linear_products_rows_and_threads() -> None:
-    """The AVX2 build's bf16 product: within bf16 rounding of the float64 product (bias added after),
-    the weight read back is the one given, and each row computes the same bits alone, in pairs, in
-    threes and on any thread count."""
+    """The build's bf16 product (vdpbf16ps on AVX-512 bf16, fp32 multiply-adds on AVX2): within bf16
+    rounding of the float64 product (bias added after), also with an odd number of input pairs; the
+    weight read back is the one given, and each row computes the same bits alone, in pairs, in threes,
+    in calls of up to 19 rows and on any thread count."""
     generator = torch.Generator().manual_seed(14)
     weight = (torch.randn(48, 96, generator=generator) * 0.1).to(torch.bfloat16)
     bias = torch.randn(48, generator=generator).to(torch.bfloat16)
     linear = Bf16BlockLinear(weight, bias)
     assert linear.packed.shape == (3, 96, 16) and torch.equal(linear.weight, weight)
-    x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
-    products = (linear(x) - bias).double()  # the bias is added in bf16 after the product's rounding
+    x = torch.randn(19, 96, generator=generator).to(torch.bfloat16)  # rows go 8, 4, 2, 1 at a time (AVX-512)
+    products = linear(x).double() - bias.double()  # the bias is added in bf16 after the product's rounding
     exact = x.double() @ weight.double().t()
     bound = (exact.abs() + bias.double().abs()) * 2**-7 + 1e-5 * (x.double().abs() @ weight.double().abs().t())
     assert ((products - exact).abs() <= bound).all()
     assert_rows_as_if_alone(linear, x)
     narrow = Bf16BlockLinear(weight[:40], bias[:40])  # padded to 48 channels, cut back to 40
     assert torch.equal(narrow.weight, weight[:40]) and torch.equal(narrow(x), linear(x)[:, :40])
+    odd = torch.randn(16, 102, generator=generator).to(torch.bfloat16)  # 51 input pairs: the last one alone
+    rows = torch.randn(9, 102, generator=generator).to(torch.bfloat16)
+    exact = rows.double() @ odd.double().t()
+    got = Bf16BlockLinear(odd, None)(rows).double()
+    assert ((got - exact).abs() <= exact.abs() * 2**-7 + 1e-5 * (rows.double().abs() @ odd.double().abs().t())).all()
+    assert_rows_as_if_alone(Bf16BlockLinear(odd, None), rows)
     with pytest.raises(RuntimeError, match="packed does not fit x"):
         int4_kernel.bf16_product(torch.zeros(2, 32, dtype=torch.bfloat16), linear.packed)
 
 
-@needs_int8
-def test_bf16_models_use_the_block_kernel_where_bf16_products_are_not_native(tiny_llama_dir: Path) -> None:
+@needs_bf16
+def test_bf16_models_use_the_block_kernel(tiny_llama_dir: Path) -> None:
+    """The layers' linears always; the LM head too where oneDNN takes no bf16 weights, else it is the packed head."""
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama
     from causaldraft.models.products import native_bf16_products
@@ -380,7 +396,8 @@ def test_bf16_models_use_the_block_kernel_where_bf16_products_are_not_native(tin
     assert isinstance(backend, NativeLlama)
     blocks = [module for module in backend.modules() if isinstance(module, Bf16BlockLinear)]
     if native_bf16_products():
-        assert not blocks  # oneDNN's bf16 products (the packed LM head) serve there
-        return
-    assert len(blocks) == 4 * backend.llama_shape.num_layers + 1  # qkv, o, gate_up, down; the LM head
+        assert len(blocks) == 4 * backend.llama_shape.num_layers  # qkv, o, gate_up, down
+        assert isinstance(backend.lm_head, PackedLinear)  # oneDNN's bf16 products with the reordered weight
+    else:
+        assert len(blocks) == 4 * backend.llama_shape.num_layers + 1  # and the LM head
     assert not use_block_linears(backend)  # nothing left to replace

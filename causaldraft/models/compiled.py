@@ -5,9 +5,10 @@ about a minute per bucket on 2 cores) and loaded by later processes in about a s
 (``aoti_load_package``). Inductor's process-wide settings are never touched (its options are passed
 to the one compile call). Where the weights live depends on the dtype (``frozen_weights``):
 
-- int8/int4 (and fp32): the weights are inputs of the graph, so a package holds code only (a few MB)
-  and every bucket reads the same weights in memory.
-- bf16 models of up to ``MAX_FROZEN_BYTES`` of layer weights: the layer weights are frozen into each
+- int8/int4, bf16 whose layers run through causaldraft's bf16 kernel (``quant.use_block_linears``,
+  since stop 33 wherever it is built), and fp32: the weights are inputs of the graph, so a package holds
+  code only (a few MB) and every bucket reads the same weights in memory.
+- other bf16 models of up to ``MAX_FROZEN_BYTES`` of layer weights: the layer weights are frozen into each
   package as constants, which inductor reorders once for oneDNN. A product with a weight passed as an
   input reorders it on every call: the default model's bf16 pass over 2 rows took 34 ms that way.
   The cost is one copy of the layer weights per package, on disk and in memory, so the key then also
@@ -74,9 +75,15 @@ def frozen_constants(model: NativeLlama) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in weights_of(model).items() if name not in INPUT_WEIGHTS}
 
 
+def kernel_products(model: NativeLlama) -> bool:
+    """Whether the graphs call causaldraft's own products (int4/int8 kernels, the bf16 kernel): row-invariant
+    from one row, with their weights as inputs, and keyed by the kernels' sources."""
+    return model.quantized or quant.has_block_linears(model)
+
+
 def frozen_weights(model: NativeLlama) -> bool:
-    """Whether the packages hold the layer weights as constants (bf16 up to MAX_FROZEN_BYTES)."""
-    if model.quantized or model.dtype not in FROZEN_DTYPES:
+    """Whether the packages hold the layer weights as constants (bf16 through oneDNN, up to MAX_FROZEN_BYTES)."""
+    if kernel_products(model) or model.dtype not in FROZEN_DTYPES:
         return False
     constants = frozen_constants(model).values()
     return sum(tensor.numel() * tensor.element_size() for tensor in constants) <= MAX_FROZEN_BYTES
@@ -109,14 +116,14 @@ def architecture_digest(model: NativeLlama) -> str:
     return digest.hexdigest()[:16]
 
 
-def code_digest(quantized: bool) -> str:
+def code_digest(kernels: bool) -> str:
     """The code of the modules the graph is traced from: their syntax trees without docstrings, so
-    formatting, comments and documentation do not count; for a quantized model also the int4
-    kernels' sources (its graphs call their operator: a new kernel, new calibrations)."""
+    formatting, comments and documentation do not count; with ``kernels`` (``kernel_products``) also the
+    int4 kernels' sources (the graphs call their operators: a new kernel, new calibrations)."""
     digest = hashlib.sha256()
     for module in (native, blocked, products, quant, sys.modules[__name__]):
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
-    for source in int4_kernel.SOURCES if quantized else ():
+    for source in int4_kernel.SOURCES if kernels else ():
         digest.update(source.read_bytes())
     # blocked attention: the kernel's source where the graphs call it, else torch's ops
     digest.update(attention_kernel.SOURCE.read_bytes() if attention_kernel.available() else b"torch attention")
@@ -164,9 +171,12 @@ class GraphKey:
             build = int4_kernel.build_for_cpu()  # which build's operator, and so which costs
             blocks = f"int4-blocks-{build.isa}" if build is not None else "int4-blocks"
             dtype = "int8" if not kernels else blocks if "blocks" in kernels else "int4"
+        elif kernel_products(model):  # bf16 layers through one build's bf16 product
+            build = int4_kernel.build_for_cpu()
+            dtype = f"{dtype}-blocks-{build.isa if build is not None else ''}"
         architecture = architecture_digest(model)
         weights = values_digest(model) if frozen_weights(model) else ""
-        code = code_digest(model.quantized)
+        code = code_digest(kernel_products(model))
         return GraphKey(architecture, dtype, aux_layers, code, torch.__version__, cpu_signature(), weights)
 
     def digest(self) -> str:
@@ -188,6 +198,8 @@ def compile_model(
     Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, these graphs 9 ms."""
     if buckets is None:
         buckets = QUANTIZED_BUCKETS if model.quantized else COMPILE_BUCKETS
+        if not model.quantized and kernel_products(model):
+            buckets = (1, *buckets)  # row-invariant linears from one row: a one-row plain step pads nothing
         if model.llama_shape.num_heads == model.llama_shape.kv_heads:
             buckets = tuple(size for size in buckets if size > 1)  # one query row per kv head: see COMPILE_BUCKETS
     buckets = tuple(sorted(buckets))

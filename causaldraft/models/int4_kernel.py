@@ -62,20 +62,21 @@ class Build:
     source: Path
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
-    wide: bool = False  # also defines ``causaldraft::int8_mm`` and ``causaldraft::bf16_mm``
+    int8_products: bool = False  # also defines ``causaldraft::int8_mm``
+    bf16_products: bool = False  # also defines ``causaldraft::bf16_mm``
     int8_activations: bool = False  # int4_mm (and int8_mm) round activations as ``quantize_activations`` does
 
 
 # In order of preference. All read the same records; the VNNI and AVX2 builds round activations to int8
 # per group and compute the same bits (compiled graphs are keyed by the build, so each has its own).
-# Where AVX-512 bf16 runs, its exact products are the default and the VNNI build (faster per extra row,
-# int8 activations) is chosen by ``SWITCH``; a CPU with VNNI but no AVX-512 bf16 keeps the AVX2 build,
-# whose int8 and bf16 products (``wide``) it uses where oneDNN lacks bf16 products.
+# Where AVX-512 bf16 runs, its exact products are the default (and its bf16 product serves bf16 models'
+# layers); the VNNI build (int8 activations, no bf16 product) is chosen by ``SWITCH``. A CPU with VNNI but
+# no AVX-512 bf16 keeps the AVX2 build, whose int8 and bf16 products it uses where oneDNN lacks bf16 products.
 BUILDS = (
     Build(
         "avx512_bf16", KERNELS / "int4_mm.cpp",
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), bf16_products=True,
     ),
     Build(
         "vnni", KERNELS / "int4_mm_vnni.cpp",
@@ -83,8 +84,8 @@ BUILDS = (
         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"), int8_activations=True,
     ),
     Build(
-        "avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"), wide=True,
-        int8_activations=True,
+        "avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"),
+        int8_products=True, bf16_products=True, int8_activations=True,
     ),
 )  # fmt: skip
 SOURCES = tuple(sorted({build.source for build in BUILDS}))  # (graph keys hash them: not in preference order)
@@ -175,18 +176,28 @@ def available() -> bool:
     if not load_source("int4", build.source, build.flags):
         return False
     torch.library.register_fake("causaldraft::int4_mm")(shape_of_product)
-    if build.wide:
+    if build.int8_products:
         torch.library.register_fake("causaldraft::int8_mm")(shape_of_int8_product)
+    if build.bf16_products:
         torch.library.register_fake("causaldraft::bf16_mm")(shape_of_bf16_product)
     return True
 
 
-def wide_available() -> bool:
-    """Whether ``torch.ops.causaldraft.int8_mm`` and ``bf16_mm`` are loaded: the AVX2 build's int8
-    and bf16 products over per-channel records (where oneDNN takes no bf16 weights: quantized
-    models' LM heads are int8, bf16 models' linears run through ``bf16_mm``)."""
+def int8_available() -> bool:
+    """Whether ``torch.ops.causaldraft.int8_mm`` is loaded: the AVX2 build's int8 product over
+    per-channel records (where oneDNN takes no bf16 weights, quantized models' LM heads are int8)."""
     build = build_for_cpu()
-    return build is not None and build.wide and available()
+    return build is not None and build.int8_products and available()
+
+
+def bf16_available() -> bool:
+    """Whether ``torch.ops.causaldraft.bf16_mm`` is loaded: bf16 products over per-channel records
+    (``pack_channels``), which bf16 models' layer linears run through (``quant.use_block_linears``).
+    The AVX-512 bf16 build's (vdpbf16ps, since stop 33) reads the weights at about the memory's speed
+    where oneDNN's reach ~2/3 of it; the AVX2 build's (fp32 multiply-adds) replaces torch's generic
+    bf16 product on CPUs without native bf16 products."""
+    build = build_for_cpu()
+    return build is not None and build.bf16_products and available()
 
 
 def shape_of_int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -170,9 +170,11 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
             loaded, prefill = quantized.model, quantized.prefill
         else:
             native = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
-            # bf16: the LM head through oneDNN (models/packed.py), or where oneDNN takes no bf16 weights
-            # every linear through causaldraft's bf16 kernel (models/quant.py); fp32 keeps F.linear
-            if native_bf16_products() or not use_block_linears(native):
+            # bf16: the layers' linears through causaldraft's bf16 kernel where it is built (models/quant.py),
+            # and the LM head through oneDNN (models/packed.py); where oneDNN takes no bf16 weights the LM
+            # head too goes through the kernel. fp32 keeps F.linear
+            blocks = use_block_linears(native, head=not native_bf16_products())
+            if native_bf16_products() or not blocks:
                 use_packed_head(native)
             loaded = native
     elif backend == "hf":

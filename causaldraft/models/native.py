@@ -37,7 +37,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
 # rounds differently from products of two or more rows (the kernels of 2+ rows agree row by row),
 # and computing one row as two inside a graph lets inductor fuse the copy into the norm before it,
-# which changes that norm's rounding; a padded row costs about nothing there (memory-bound).
+# which changes that norm's rounding; a padded row costs about nothing there (memory-bound). bf16 models
+# whose layers run through causaldraft's bf16 kernel (row-invariant from one row) add a one-row graph
+# (compiled.compile_model).
 COMPILE_BUCKETS = (2, 4, 8, 16, 32)
 # int4/int8 kernels are row-invariant from one row up but cost more per extra row (measured at
 # compile, int4, AVX2 build of stop 25, ms per pass over 1/2/4/8/16 new tokens: 5.3/7.5/10.2/17.6/34.1;

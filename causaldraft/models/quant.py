@@ -150,7 +150,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weights.values.shape
         fits = self.out_features % int4_kernel.INT8_BLOCK == 0 and self.in_features % int4_kernel.GROUP == 0
-        blocks = fits and int4_kernel.wide_available()
+        blocks = fits and int4_kernel.int8_available()
         self.kernel = "blocks" if blocks else "torch"
         if blocks:
             self.register_buffer("qweight", int4_kernel.pack_int8_records(weights.values))
@@ -177,12 +177,18 @@ class Int8Linear(nn.Module):
 
 
 class Bf16BlockLinear(nn.Module):
-    """``y = x @ W.T + bias`` for a bf16 model's linear where oneDNN takes no bf16 weights (AVX2
-    CPUs, ``products.native_bf16_products``): causaldraft's ``bf16_mm`` over W in records of 16
-    channels per input (fp32 multiply-adds of the bf16 numbers, each output rounded once to bf16,
-    as a bf16 product with fp32 sums rounds), row-invariant by construction. torch's bf16 product
-    there is a generic kernel: ~15 ms a row for the default model's layers, against ~2 ms a row
-    plus one read of the weights with this one (docs/int4-kernel.md)."""
+    """``y = x @ W.T + bias`` for a bf16 model's linear through causaldraft's ``bf16_mm`` over W in
+    records of 16 channels per input (exact products of the bf16 numbers, fp32 sums, each output rounded
+    once to bf16, as a bf16 product with fp32 sums rounds), row-invariant by construction from one row.
+
+    - AVX-512 bf16 CPUs (since stop 33; the layers, not the LM head): vdpbf16ps products. The default
+      model's layer linears take ~3.8-5.2 ms at 1 row and ~5-6 ms at 8 rows, against ~6-7 ms and
+      ~7.5 ms through oneDNN with reordered weights, whose products also round one row differently
+      from two (so bf16 graphs had no one-row bucket).
+    - AVX2 CPUs, where oneDNN takes no bf16 weights (``products.native_bf16_products``): fp32
+      multiply-adds, every linear and the LM head. torch's bf16 product there is a generic kernel:
+      ~15 ms a row for the default model's layers, against ~2 ms a row plus one read of the weights
+      with this one (docs/int4-kernel.md)."""
 
     packed: torch.Tensor  # [out / 16, in, 16] bfloat16
     bias: torch.Tensor | None  # [out] bfloat16
@@ -209,11 +215,18 @@ class Bf16BlockLinear(nn.Module):
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
-def use_block_linears(model: NativeLlama) -> bool:
-    """Replace a bf16 model's linears (layers and LM head) by ``Bf16BlockLinear`` where its kernel is
-    loaded and every input width is even; False (nothing changed) otherwise."""
+def has_block_linears(model: nn.Module) -> bool:
+    """Whether the model's linears run through ``Bf16BlockLinear`` (``use_block_linears``)."""
+    return any(isinstance(module, Bf16BlockLinear) for module in model.modules())
+
+
+def use_block_linears(model: NativeLlama, head: bool = True) -> bool:
+    """Replace a bf16 model's linears (the layers', and the LM head's if ``head``) by ``Bf16BlockLinear``
+    where its kernel is loaded and every input width is even; False (nothing changed) otherwise."""
     names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    if model.dtype != torch.bfloat16 or not names or not int4_kernel.wide_available():
+    if not head:
+        names = [name for name in names if name != "lm_head"]
+    if model.dtype != torch.bfloat16 or not names or not int4_kernel.bf16_available():
         return False
     modules = dict(model.named_modules())
     if any(modules[name].in_features % 2 for name in names):

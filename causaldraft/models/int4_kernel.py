@@ -3,10 +3,11 @@ AVX-512 bf16, ``kernels/int4_mm_avx2.cpp`` for AVX2 + FMA), built once per machi
 
 Why: torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) unpacks the weights again for every
 block of 4 rows, so a verify pass of 8 rows costs twice one of 4, and even a one-row product runs
-far below the memory bandwidth. This kernel unpacks each group of weights once per call and uses it
-for every row (AVX-512 bf16 dot products): the one-row products of a pass run at about the memory's
-speed, 11-18 % faster than torch's at 1-16 rows (docs/int4-kernel.md has the layout, the arithmetic
-and the measurements).
+far below the memory bandwidth. This kernel unpacks each group of weights once per call (once per 4 rows in the
+AVX-512 bf16 build, whose 4 rows keep their totals in registers since stop 33) and uses it for every row
+(AVX-512 bf16 dot products): the one-row products of a pass run at about the memory's speed, and a 4-row
+product of the default model's pass costs ~2.1 ms against ~1.8 for one row (docs/int4-kernel.md has the
+layout, the arithmetic and the measurements).
 
 The AVX-512 build's arithmetic is the same as torch's kernel's in exact terms (``w = (q - 8) * scale +
 zero``, scales and zeros in bf16, bf16 activations, fp32 sums, bf16 output); only the summation order
@@ -19,10 +20,14 @@ the thread count, so the product is row-invariant, which exactness needs (docs/e
 
 The VNNI build (since stop 32, ``CAUSALDRAFT_INT4_KERNEL=vnni``) computes the AVX2 build's arithmetic bit
 for bit with AVX-512 VNNI integer dot products (vpdpbusd: one instruction per row and 4 inputs of 16
-channels), so an extra row costs about half what it costs the AVX-512 bf16 build: 4-row products ~2.4 ms
-against ~2.9 for the default model's pass, and int4 trees 6-12 % more tokens/s. It is not the default:
-the int8 activations cost the default model's int4 output a fourfold KL against fp32 (0.00277 against
-0.00066; greedy match 96.3 % against 98.4 %, ``bench/quant_quality.py``).
+channels). It is not the default: the int8 activations cost the default model's int4 output a fourfold KL
+against fp32 (0.00277 against 0.00066; greedy match 96.3 % against 98.4 %, ``bench/quant_quality.py``), and
+since the AVX-512 bf16 build keeps its totals in registers too (stop 33) it is no faster (4-row products
+3.1-3.5 ms against 2.1-2.2, measured back to back).
+
+The AVX-512 bf16 build also defines ``causaldraft::bf16_mm`` (since stop 33), the bf16 product bf16
+models' layers run through (``Build.bf16_products``, ``quant.Bf16BlockLinear``), as the AVX2 build does
+with fp32 multiply-adds since stop 24.
 
 Used where the CPU has AVX-512 with bf16 (the bf16 build), else AVX2 with FMA (the AVX2 build), all on
 the same records, when a C++ compiler is found and ``CAUSALDRAFT_INT4_KERNEL`` is not ``torch``; it may

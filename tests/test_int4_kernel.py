@@ -183,25 +183,28 @@ def test_bad_operands_are_refused_by_the_kernel() -> None:
         int4_kernel.product(torch.zeros(2, 64), packed)
 
 
+KERNEL_OF_A_LINEAR = (
+    "import torch; from causaldraft.models.quant import Int4Linear, quantize_int4; "
+    "print(Int4Linear(quantize_int4(torch.randn(16, 32)), None).kernel)"
+)
+
+
+def kernel_under_switch(value: str) -> subprocess.CompletedProcess[str]:
+    """A new process (the switch is read once per process) that prints the kernel an int4 linear gets."""
+    env = {**os.environ, int4_kernel.SWITCH: value}
+    return subprocess.run(
+        [sys.executable, "-c", KERNEL_OF_A_LINEAR], env=env, capture_output=True, text=True, check=True
+    )
+
+
 def test_the_switch_selects_torchs_kernel() -> None:
     """CAUSALDRAFT_INT4_KERNEL=torch: int4 linears use torch's kernel (read once per process)."""
-    code = (
-        "import torch; from causaldraft.models.quant import Int4Linear, quantize_int4; "
-        "print(Int4Linear(quantize_int4(torch.randn(16, 32)), None).kernel)"
-    )
-    env = {**os.environ, int4_kernel.SWITCH: "torch"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "torch"
+    assert kernel_under_switch("torch").stdout.strip() == "torch"
 
 
 def test_a_switch_naming_no_runnable_build_says_so() -> None:
     """CAUSALDRAFT_INT4_KERNEL=<typo>: int4 linears still work, on torch's kernel, with a message naming the builds."""
-    code = (
-        "import torch; from causaldraft.models.quant import Int4Linear, quantize_int4; "
-        "print(Int4Linear(quantize_int4(torch.randn(16, 32)), None).kernel)"
-    )
-    env = {**os.environ, int4_kernel.SWITCH: "vnn"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    result = kernel_under_switch("vnn")
     assert result.stdout.strip() == "torch"
     assert "CAUSALDRAFT_INT4_KERNEL=vnn: not a build (one of avx512_bf16, vnni, avx2, or torch)" in result.stderr
 

@@ -47,6 +47,10 @@ STATIC_DEPTH = 5  # a static tree drafts every level of its fixed shape
 # in bf16 (the issue's prompts and 16 others), and 12 or 16 less than 8 (README, stop 28).
 DYNAMIC_DEPTH = 8
 DEFAULT_DEPTHS = {"chain": CHAIN_DEPTH, "static": STATIC_DEPTH, "dynamic": DYNAMIC_DEPTH}
+# Prompt-lookup paths (the lookup drafter's, and those merged into model drafters' trees) are copied
+# from the text, so their length costs no drafting: an adaptive policy lets them reach this deep and
+# its cost model prunes their nodes like any others. Fixed trees (--no-adapt) keep them within `depth`.
+LOOKUP_DEPTH = 24
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class TreeConfig:
     depth: int = DYNAMIC_DEPTH  # the default kind's
     width: int = 3
     max_nodes: int = 32
+    lookup_depth: int = LOOKUP_DEPTH  # longest prompt-lookup path while adapting
 
     def __post_init__(self) -> None:
         if self.kind not in TREE_KINDS:
@@ -67,6 +72,8 @@ class TreeConfig:
             raise CausalDraftError(f"width must be in [1, 16], got {self.width}")
         if self.max_nodes < 2 or self.max_nodes > 256:
             raise CausalDraftError(f"max_nodes must be in [2, 256], got {self.max_nodes}")
+        if self.lookup_depth < 1 or self.lookup_depth > 64:
+            raise CausalDraftError(f"lookup_depth must be in [1, 64], got {self.lookup_depth}")
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,9 @@ class DecodeConfig:
             raise CausalDraftError("reprobe_every must be >= 1")
 
 
-def tree_config_of(kind: str, depth: int | None, width: int | None, max_nodes: int | None) -> TreeConfig:
+def tree_config_of(
+    kind: str, depth: int | None, width: int | None, max_nodes: int | None, lookup_depth: int | None = None
+) -> TreeConfig:
     """A tree of ``kind`` with the given sizes, the kind's defaults for the ones left None."""
     defaults = TreeConfig()
     chain = kind == "chain"
@@ -107,6 +116,7 @@ def tree_config_of(kind: str, depth: int | None, width: int | None, max_nodes: i
         depth=depth if depth is not None else DEFAULT_DEPTHS.get(kind, defaults.depth),
         width=width if width is not None else (1 if chain else defaults.width),
         max_nodes=max_nodes if max_nodes is not None else defaults.max_nodes,
+        lookup_depth=lookup_depth if lookup_depth is not None else defaults.lookup_depth,
     )
 
 
@@ -128,6 +138,7 @@ class EngineConfig:
     depth: int | None = None
     width: int | None = None
     max_nodes: int | None = None
+    lookup_depth: int | None = None
     acceptance: str = "lossless"
     sampler: str = "gumbel"
     adapt: bool = True
@@ -153,7 +164,7 @@ class EngineConfig:
 
     @property
     def tree_config(self) -> TreeConfig:
-        return tree_config_of(self.tree, self.depth, self.width, self.max_nodes)
+        return tree_config_of(self.tree, self.depth, self.width, self.max_nodes, self.lookup_depth)
 
     @property
     def decode_config(self) -> DecodeConfig:
@@ -172,7 +183,8 @@ class EngineConfig:
         parts = ["--model", self.model, "--backend", self.backend, "--dtype", self.dtype]
         parts.append("--compile" if self.compile else "--no-compile")
         for flag, value, unset in (("--depth", self.depth, None), ("--width", self.width, None),
-                                   ("--max-nodes", self.max_nodes, None), ("--draft-model", self.draft_model, None),
+                                   ("--max-nodes", self.max_nodes, None), ("--lookup-depth", self.lookup_depth, None),
+                                   ("--draft-model", self.draft_model, None),
                                    ("--heads", self.heads, None), ("--store", self.store, None),
                                    ("--acceptance", self.acceptance, default.acceptance),
                                    ("--sampler", self.sampler, default.sampler),

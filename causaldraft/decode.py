@@ -143,25 +143,33 @@ def prefill(
 
 
 def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampling: SamplingConfig) -> Draft:
-    """The drafter's tree, sized by the policy and kept within the positions the target's next
-    pass may reach and stay row-invariant (``Backend.pass_room``: the root is one of them)."""
+    """The drafter's tree, sized by the policy and kept within the positions and rows the target's next
+    pass may hold and stay row-invariant (``Backend.pass_room``, ``Backend.pass_rows``: the root is one
+    of them)."""
     limits = policy.limits()
     max_depth = decoder.target.pass_room(state.cache.length) - 1
     if limits is None or max_depth < 1:
         return Draft.root_only(state.tokens[-1])
+    max_nodes = min(limits.max_nodes, decoder.target.pass_rows())
     context = DraftContext(
         tokens=tuple(state.tokens),
         hidden=state.hidden,
         tree_kind=decoder.tree.kind,
         depth=min(limits.depth, max_depth),
         width=limits.width,
-        max_nodes=limits.max_nodes,
+        max_nodes=max_nodes,
         sampling=sampling,
         generator=state.generator,
         noise_seed=state.noise_seed,
         gate=limits.gate,
+        lookup_depth=min(limits.lookup_depth or limits.depth, max_depth),
     )
-    return policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
+    draft = policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
+    if draft.tree.size <= max_nodes:
+        return draft
+    if draft.child_mode == "deterministic":
+        return draft.pruned(max_nodes)
+    raise CausalDraftError(f"the drafter sampled {draft.tree.size} nodes; the step allows {max_nodes}")
 
 
 @dataclass(frozen=True)

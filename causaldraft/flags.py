@@ -50,6 +50,8 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=None, help=f"draft depth (default: {depths})")
     parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
     parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
+    parser.add_argument("--lookup-depth", type=int, default=None,
+                        help=f"longest prompt-lookup path while adapting (default {tree.lookup_depth})")  # fmt: skip
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
     parser.add_argument("--sampler", choices=SAMPLERS, default=DecodeConfig().sampler,
                         help="lossless sampling: gumbel (output depends on the seed alone) or rejection")  # fmt: skip
@@ -73,7 +75,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, backend=args.backend, dtype=args.dtype, compile=compile_wanted(args),
         drafter=getattr(args, "drafter", "none"), tree=getattr(args, "tree", TreeConfig().kind),
-        depth=args.depth, width=args.width, max_nodes=args.max_nodes, acceptance=args.acceptance,
+        depth=args.depth, width=args.width, max_nodes=args.max_nodes, lookup_depth=args.lookup_depth,
+        acceptance=args.acceptance,
         sampler=args.sampler, adapt=not args.no_adapt, fallback=not args.no_fallback, draft_model=args.draft_model,
         adapt_threads=not args.fixed_threads, draft_layers=args.draft_layers, heads=args.heads,
         lookup_merge=not args.no_lookup_merge, store=args.store, use_store=not args.no_store,

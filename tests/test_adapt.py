@@ -130,6 +130,17 @@ def test_the_sized_policy_gates_prunes_learns_level_costs_and_reprobes() -> None
     assert fixed_limits is not None and fixed_limits.gate is None and fixed.prune(draft) is draft  # --no-adapt
 
 
+def test_lookup_paths_reach_lookup_depth_only_where_the_policy_prunes() -> None:
+    """Lookup paths cost no drafting, so adaptive policies (which prune by score) let them reach
+    ``lookup_depth``; fixed trees verify what they draft, so theirs stay within the tree's depth."""
+    tree, cost = TreeConfig(depth=8, lookup_depth=20), VerifyCost({1: 0.020, 32: 0.030})
+    for timed in (True, False):
+        limits = BudgetPolicy(tree, DecodeConfig(), cost, initial_adapt_state(tree, timed=timed)).limits()
+        assert limits is not None and (limits.depth, limits.lookup_depth) == (8, 20)
+    fixed = BudgetPolicy(tree, DecodeConfig(adapt=False), cost, initial_adapt_state(tree, timed=False)).limits()
+    assert fixed is not None and fixed.lookup_depth == 8
+
+
 def test_a_level_declined_for_an_old_slow_time_is_timed_again() -> None:
     """One slow measurement of the second level (a kernel built at its first call) made the gate
     decline it for good, since a declined level is never timed. After reprobe_every gated steps

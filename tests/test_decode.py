@@ -51,6 +51,20 @@ def test_greedy_speculative_output_is_token_identical_to_plain(
             assert sum(step.nodes for step in result.stats.steps) > result.stats.target_forwards
 
 
+def test_lookup_paths_deeper_than_the_tree_keep_plain_output(
+    tiny_llama_dir: Path, plain_outputs: dict[str, list[int]]
+) -> None:
+    """Lookup paths reach ``lookup_depth`` past the tree's ``depth``, and a match that reaches the
+    present repeats its period; steps accept more than ``depth`` tokens, the output is plain decoding's."""
+    spec = engine(tiny_llama_dir, "lookup", depth=3, lookup_depth=16, fallback=False)
+    deepest = 0
+    for prompt in PROMPTS:
+        result = spec.generate(prompt, max_new_tokens=48)
+        assert result.token_ids == plain_outputs[prompt], prompt
+        deepest = max([deepest, *(step.accepted for step in result.stats.steps)])
+    assert deepest > 3
+
+
 def test_separate_draft_model_equal_to_target_accepts_every_token(
     tiny_llama_dir: Path, plain_outputs: dict[str, list[int]]
 ) -> None:

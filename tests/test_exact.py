@@ -289,3 +289,19 @@ def test_within_depth_keeps_a_tree_of_the_shallow_nodes() -> None:
     assert cut.scores == (1.0, 0.5, 0.4)
     assert cut.draft_probs is not None and torch.equal(cut.draft_probs, probs[[0, 1, 3]])
     assert draft.within_depth(2) is draft
+
+
+def test_trees_stay_within_the_largest_compiled_bucket(tiny_llama_dir: Path, graph_root: Path) -> None:
+    """A pass larger than the largest bucket runs eagerly, and eager code may round a row differently from
+    a graph (int4 trees of 17-32 nodes did, on the default model: stop 34). So compiled, the decode loop
+    keeps trees within ``pass_rows``; lookup paths of 16 on a repeating text would otherwise exceed it."""
+    loaded = load_model(str(tiny_llama_dir), "native", "int4")
+    backend = backend_of(loaded)
+    compile_model(backend, buckets=(1, 4), store=GraphStore(GraphKey.of(backend, ()), graph_root), progress=False)
+    assert backend.pass_rows() == 4
+    spec = load(loaded=loaded, drafter="lookup", tree="dynamic", calibrate=False, fallback=False, lookup_depth=16)
+    plain = load(loaded=loaded, drafter="none", calibrate=False)
+    prompt = PROMPTS[2] * 4
+    result = spec.generate(prompt, max_new_tokens=64)
+    assert result.token_ids == plain.generate(prompt, max_new_tokens=64).token_ids
+    assert max(step.nodes for step in result.stats.steps) == 4

@@ -8,16 +8,20 @@ from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.lookup import (
     Continuation,
     LookupDrafter,
+    LookupMerge,
     LookupRates,
     Match,
     emitted_prefix,
+    periodic_continuation,
     prior_first_rate,
 )
+from causaldraft.tree import TreeDraft
 from causaldraft.verify import Acceptance
 
 
-def context(tokens: tuple[int, ...], width: int = 1) -> DraftContext:
-    return DraftContext(tokens, None, "chain" if width == 1 else "dynamic", 4, width, 16, SamplingConfig(), None)
+def context(tokens: tuple[int, ...], width: int = 1, lookup_depth: int = 0) -> DraftContext:
+    kind = "chain" if width == 1 else "dynamic"
+    return DraftContext(tokens, None, kind, 4, width, 16, SamplingConfig(), None, lookup_depth=lookup_depth)
 
 
 def test_continuations_say_how_strong_their_match_is() -> None:
@@ -68,3 +72,31 @@ def test_observe_records_the_proposed_continuation_once() -> None:
     first = dict(drafter.rates.first)
     drafter.observe(StepResult(root_only, Acceptance((0,), (9,), True), (*tokens, 4, 9)))  # nothing proposed
     assert drafter.rates.first == first
+
+
+def test_a_match_that_reaches_the_present_repeats_its_period() -> None:
+    # the text repeats "3 1 2": the latest earlier "3 1 2" is followed from position 5, 3 tokens back
+    tokens = (9, 1, 2, 3, 1, 2, 3, 1, 2)
+    assert periodic_continuation(tokens, 6, 7) == (3, 1, 2, 3, 1, 2, 3)
+    assert periodic_continuation(tokens, 2, 4) == (2, 3, 1, 2)  # within the text: a plain slice
+    assert LookupDrafter().continuations(tokens, 7, 1) == [Continuation((3, 1, 2, 3, 1, 2, 3), Match(3, False))]
+
+
+def test_lookup_paths_reach_lookup_depth_beyond_the_tree_depth() -> None:
+    tokens = (9, 1, 2, 3, 1, 2, 3, 1, 2)
+    assert LookupDrafter().propose(context(tokens)).tree.size == 1 + 4  # depth 4: lookup_depth unset
+    draft = LookupDrafter().propose(context(tokens, lookup_depth=12))
+    assert draft.tree.tokens == (2, *(3, 1, 2) * 4)
+    assert max(draft.tree.depths) == 12
+
+
+def test_merged_candidates_and_drafted_nodes_compete_for_one_budget() -> None:
+    """A long path of a weak match no longer crowds a drafter's sure nodes out of the tree."""
+    weak = Continuation(tuple(range(20, 36)), Match(1, False))  # 16 tokens; scores 0.35, 0.245, 0.17, ...
+    drafted = TreeDraft(parents=[-1, 0, 1], tokens=[5, 6, 7], scores=[1.0, 0.9, 0.8])
+    merged = LookupMerge().merge(drafted, [weak], max_nodes=6)
+    assert merged.tokens == [5, 6, 7, 20, 21, 22] and merged.parents == [-1, 0, 1, 0, 3, 4]
+    strong = Continuation(tuple(range(20, 36)), Match(3, True))  # scores 0.9, 0.63, 0.44, ...
+    drafted = TreeDraft(parents=[-1, 0, 1, 1], tokens=[5, 6, 7, 8], scores=[1.0, 0.9, 0.8, 0.3])
+    merged = LookupMerge().merge(drafted, [strong], max_nodes=6)
+    assert merged.tokens == [5, 6, 7, 20, 21, 22]  # the drafter's 0.3 node gives way to the path's 0.44

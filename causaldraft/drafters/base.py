@@ -27,6 +27,8 @@ class DraftContext:
     noise_seed: int | None = None
     # asked before each tree level whether to draft it (the budget policy's DepthGate); None: every level
     gate: LevelGate | None = None
+    # longest prompt-lookup path (its tokens cost no drafting, so it may exceed ``depth``); 0: ``depth``
+    lookup_depth: int = 0
 
 
 @dataclass(frozen=True)

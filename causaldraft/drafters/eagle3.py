@@ -133,14 +133,13 @@ class Eagle3Drafter:
         if rows != len(context.tokens) - 1 or (self.root_out is None and not self.pending_tokens):
             return Draft.root_only(context.tokens[-1])
         paths = self.lookup.paths(context) if self.lookup is not None else []
-        budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
             merged = self.lookup.scores(paths) if self.lookup is not None else {}
-            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
-                               self.catching_up(context.gate), merged)  # fmt: skip
+            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width,
+                               context.max_nodes, self.catching_up(context.gate), merged)  # fmt: skip
         if self.lookup is not None:
-            self.lookup.merge(draft, paths, context.max_nodes)
+            draft = self.lookup.merge(draft, paths, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
 
     def catching_up(self, gate: LevelGate | None) -> LevelGate | None:

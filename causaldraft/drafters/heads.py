@@ -233,14 +233,13 @@ class HeadsDrafter:
         if context.hidden is None:
             return Draft.root_only(context.tokens[-1])
         paths = self.lookup.paths(context) if self.lookup is not None else []
-        budget = max(2, context.max_nodes - LookupMerge.reserve(paths))
         with torch.inference_mode():
             expand = self.expander(context)
             merged = self.lookup.scores(paths) if self.lookup is not None else {}
-            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width, budget,
-                               context.gate, merged)  # fmt: skip
+            draft = build_tree(context.tree_kind, context.tokens[-1], expand, context.depth, context.width,
+                               context.max_nodes, context.gate, merged)  # fmt: skip
         if self.lookup is not None:
-            self.lookup.merge(draft, paths, context.max_nodes)
+            draft = self.lookup.merge(draft, paths, context.max_nodes)
         return Draft.from_tree_draft(draft, "deterministic")
 
     def expander(self, context: DraftContext):  # type: ignore[no-untyped-def]

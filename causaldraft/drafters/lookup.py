@@ -28,7 +28,7 @@ import torch
 
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
 from causaldraft.drafters.store import SURE_SHARE, NgramStore
-from causaldraft.tree import TreeDraft, merge_paths
+from causaldraft.tree import TreeDraft, merge_paths, prune
 
 AGREEING = 2  # occurrences that make a match "repeated"
 SCANNED = 16  # most recent occurrences of an n-gram looked at for agreement
@@ -84,6 +84,18 @@ class LookupRates:
         self.further[key] = min(0.98, max(0.05, further))
 
 
+def periodic_continuation(tokens: tuple[int, ...], start: int, depth: int) -> tuple[int, ...]:
+    """The ``depth`` tokens that follow the text if it goes on as it did from ``start``. A match that
+    reaches the present repeats: with period p = len(tokens) - start, token i is tokens[start + i % p].
+
+    Example: tokens (a, b, c, a, b), start 3 (after the latest earlier "c a"... matched n-gram ends
+    at 3): period 2, depth 5 gives (a, b, a, b, a)."""
+    period = len(tokens) - start
+    if start + depth <= len(tokens):
+        return tokens[start : start + depth]
+    return tuple(tokens[start + offset % period] for offset in range(depth))
+
+
 def emitted_prefix(emitted: tuple[int, ...], proposed: tuple[int, ...]) -> tuple[int, int]:
     """(how many leading proposed tokens the target emitted, how many proposed tokens it emitted a
     token for): the target's own tokens say whether a proposal was right even where the tree was
@@ -133,7 +145,7 @@ class LookupDrafter:
                 continue
             followers = self.index.get(tokens[len(tokens) - size :], [])  # positions < len(tokens)
             for start in reversed(followers):
-                continuation = tokens[start : start + depth]
+                continuation = periodic_continuation(tokens, start, depth)
                 if continuation and not any(seen.tokens[: len(continuation)] == continuation for seen in found):
                     agreeing = sum(1 for other in followers[-SCANNED:] if tokens[other] == continuation[0])
                     found.append(Continuation(continuation, Match(size, agreeing >= AGREEING), len(found)))
@@ -165,7 +177,7 @@ class LookupDrafter:
 
     def propose(self, context: DraftContext) -> Draft:
         limit = 1 if context.tree_kind == "chain" else context.width
-        found = self.continuations(context.tokens, context.depth, limit)
+        found = self.continuations(context.tokens, context.lookup_depth or context.depth, limit)
         draft = TreeDraft(parents=[-1], tokens=[context.tokens[-1]], scores=[1.0])
         self.merge(draft, found, context.max_nodes)
         return Draft.from_tree_draft(draft)
@@ -198,7 +210,7 @@ class LookupMerge:
 
     def paths(self, context: DraftContext) -> list[Continuation]:
         limit = 1 if context.tree_kind == "chain" else 2
-        return self.lookup.continuations(context.tokens, context.depth, limit)
+        return self.lookup.continuations(context.tokens, context.lookup_depth or context.depth, limit)
 
     @staticmethod
     def reserve(paths: list[Continuation]) -> int:
@@ -215,8 +227,13 @@ class LookupMerge:
                 best[path.tokens[:end]] = max(best.get(path.tokens[:end], 0.0), score)
         return best
 
-    def merge(self, draft: TreeDraft, paths: list[Continuation], max_nodes: int) -> None:
-        self.lookup.merge(draft, paths, max_nodes)
+    def merge(self, draft: TreeDraft, paths: list[Continuation], max_nodes: int) -> TreeDraft:
+        """The drafted tree with the paths merged in, cut to its ``max_nodes`` best nodes by score (each
+        with its ancestors): the drafter's nodes and the candidates compete for one budget. (Until stop 34
+        the candidates' nodes were reserved first, which, once paths reached ``lookup_depth``, left a
+        drafter two nodes beside a weak match's long path.)"""
+        self.lookup.merge(draft, paths, len(draft.tokens) + self.reserve(paths))
+        return prune(draft, max_nodes)
 
     def observe(self, result: StepResult) -> None:
         self.lookup.observe(result)

@@ -71,6 +71,11 @@ class Backend(Protocol):
         position would (the decode loop keeps draft trees within it)."""
         ...
 
+    def pass_rows(self) -> int:
+        """The most new tokens one pass may hold while every row computes exactly what a one-row
+        pass computes (the decode loop keeps draft trees within it)."""
+        ...
+
     def forward(
         self,
         tokens: torch.Tensor,  # [n] long

@@ -96,6 +96,10 @@ class HFBackend:
         backend is exact in fp32 up to rounding, not bit for bit)."""
         return self.shape.max_positions
 
+    def pass_rows(self) -> int:
+        """No limit, as for ``pass_room``."""
+        return self.shape.max_positions
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens)
 

@@ -382,6 +382,13 @@ class NativeLlama(nn.Module):
         """Positions a pass over ``length`` committed entries may reach and stay row-invariant."""
         return pass_room(length)
 
+    def pass_rows(self) -> int:
+        """Compiled: the largest bucket. A larger pass runs eagerly, and eager code and a graph may round a
+        row differently (inductor fuses some element-wise steps; int4 passes of 17-32 rows differed from
+        one-row graphs from layer 2 on, in some rows: stop 34), so the decode loop keeps trees within it.
+        Eager: no limit (every pass runs the same code)."""
+        return max(self.buckets) if self.graphs else LARGE_QUERY_COUNT
+
     def new_pool(self, size: int, max_len: int) -> CachePool:
         """Caches for ``size`` concurrent sequences of up to ``max_len`` entries (``forward_batch``)."""
         s = self.llama_shape

@@ -363,7 +363,7 @@ class BudgetPolicy:
             self.gate = DepthGate(self.state, self.cost, self.tree.max_nodes, decode.reprobe_every,
                                   time.perf_counter(), always_first=not decode.fallback)  # fmt: skip
         gate: LevelGate | None = score_gate(self.decode.untimed_min_score) if self.scored else self.gate
-        lookup_depth = self.tree.lookup_depth if self.decode.adapt else self.state.depth
+        lookup_depth = self.tree.lookup_depth if self.decode.adapt and self.tree.lookup_depth else self.state.depth
         return DraftLimits(self.state.depth, self.state.width, self.tree.max_nodes, gate, lookup_depth)
 
     def prune(self, draft: Draft) -> Draft:

@@ -51,7 +51,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None, help=f"tree width (default {tree.width})")
     parser.add_argument("--max-nodes", type=int, default=None, help=f"node budget ceiling (default {tree.max_nodes})")
     parser.add_argument("--lookup-depth", type=int, default=None,
-                        help=f"longest prompt-lookup path while adapting (default {tree.lookup_depth})")  # fmt: skip
+                        help="longest prompt-lookup path while adapting (default: --depth)")  # fmt: skip
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lossless")
     parser.add_argument("--sampler", choices=SAMPLERS, default=DecodeConfig().sampler,
                         help="lossless sampling: gumbel (output depends on the seed alone) or rejection")  # fmt: skip

@@ -139,6 +139,8 @@ def test_lookup_paths_reach_lookup_depth_only_where_the_policy_prunes() -> None:
         assert limits is not None and (limits.depth, limits.lookup_depth) == (8, 20)
     fixed = BudgetPolicy(tree, DecodeConfig(adapt=False), cost, initial_adapt_state(tree, timed=False)).limits()
     assert fixed is not None and fixed.lookup_depth == 8
+    default = BudgetPolicy(TreeConfig(depth=8), DecodeConfig(), cost, initial_adapt_state(TreeConfig(depth=8))).limits()
+    assert default is not None and default.lookup_depth == 8  # off unless asked for: the tree's depth
 
 
 def test_a_level_declined_for_an_old_slow_time_is_timed_again() -> None:

@@ -47,11 +47,6 @@ STATIC_DEPTH = 5  # a static tree drafts every level of its fixed shape
 # in bf16 (the issue's prompts and 16 others), and 12 or 16 less than 8 (README, stop 28).
 DYNAMIC_DEPTH = 8
 DEFAULT_DEPTHS = {"chain": CHAIN_DEPTH, "static": STATIC_DEPTH, "dynamic": DYNAMIC_DEPTH}
-# Prompt-lookup paths (the lookup drafter's, and those merged into model drafters' trees) are copied
-# from the text, so their length costs no drafting: with --lookup-depth N an adaptive policy lets them
-# reach N deep and its cost model prunes their nodes like any others; fixed trees (--no-adapt) keep them
-# within `depth`. Off by default (None: `depth`): 24 raised bf16's mean accepted length by ~0.3 at the
-# same tokens/s, and cost int4 2-4 % (more drafting work per step; README, stop 34).
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,12 @@ class TreeConfig:
     depth: int = DYNAMIC_DEPTH  # the default kind's
     width: int = 3
     max_nodes: int = 32
-    lookup_depth: int | None = None  # longest prompt-lookup path while adapting; None: depth
+    # Prompt-lookup paths (the lookup drafter's, and those merged into model drafters' trees) are copied
+    # from the text, so their length costs no drafting: with lookup_depth N an adaptive policy lets them
+    # reach N deep and its cost model prunes their nodes like any others; fixed trees (--no-adapt) keep
+    # them within `depth`. None (the default): `depth`. 24 raised bf16's mean accepted length by ~0.3 at
+    # the same tokens/s, and cost int4 2-4 % (more drafting work per step; README, stop 34).
+    lookup_depth: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in TREE_KINDS:

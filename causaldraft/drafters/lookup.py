@@ -88,8 +88,8 @@ def periodic_continuation(tokens: tuple[int, ...], start: int, depth: int) -> tu
     """The ``depth`` tokens that follow the text if it goes on as it did from ``start``. A match that
     reaches the present repeats: with period p = len(tokens) - start, token i is tokens[start + i % p].
 
-    Example: tokens (a, b, c, a, b), start 3 (after the latest earlier "c a"... matched n-gram ends
-    at 3): period 2, depth 5 gives (a, b, a, b, a)."""
+    Example: tokens (a, b, c, a, b), start 3: from there the text is (a, b) up to the present, so the
+    period is 2 and depth 5 gives (a, b, a, b, a)."""
     period = len(tokens) - start
     if start + depth <= len(tokens):
         return tokens[start : start + depth]

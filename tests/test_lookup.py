@@ -79,12 +79,16 @@ def test_a_match_that_reaches_the_present_repeats_its_period() -> None:
     tokens = (9, 1, 2, 3, 1, 2, 3, 1, 2)
     assert periodic_continuation(tokens, 6, 7) == (3, 1, 2, 3, 1, 2, 3)
     assert periodic_continuation(tokens, 2, 4) == (2, 3, 1, 2)  # within the text: a plain slice
-    assert LookupDrafter().continuations(tokens, 7, 1) == [Continuation((3, 1, 2, 3, 1, 2, 3), Match(3, False))]
+    assert LookupDrafter().continuations(tokens, 7, 1, periodic=True) == [
+        Continuation((3, 1, 2, 3, 1, 2, 3), Match(3, False))
+    ]
+    assert LookupDrafter().continuations(tokens, 7, 1) == [Continuation((3, 1, 2), Match(3, False))]
 
 
 def test_lookup_paths_reach_lookup_depth_beyond_the_tree_depth() -> None:
     tokens = (9, 1, 2, 3, 1, 2, 3, 1, 2)
-    assert LookupDrafter().propose(context(tokens)).tree.size == 1 + 4  # depth 4: lookup_depth unset
+    # depth 4, lookup_depth unset: paths of the tree's depth, which stop at the present (3 tokens here)
+    assert LookupDrafter().propose(context(tokens)).tree.tokens == (2, 3, 1, 2)
     draft = LookupDrafter().propose(context(tokens, lookup_depth=12))
     assert draft.tree.tokens == (2, *(3, 1, 2) * 4)
     assert max(draft.tree.depths) == 12

@@ -364,7 +364,7 @@ class BudgetPolicy:
                                   time.perf_counter(), always_first=not decode.fallback)  # fmt: skip
         gate: LevelGate | None = score_gate(self.decode.untimed_min_score) if self.scored else self.gate
         lookup_depth = self.tree.lookup_depth if self.decode.adapt and self.tree.lookup_depth else self.state.depth
-        return DraftLimits(self.state.depth, self.state.width, self.tree.max_nodes, gate, lookup_depth)
+        return DraftLimits(self.state.depth, self.state.width, self.tree.max_nodes, lookup_depth, gate)
 
     def prune(self, draft: Draft) -> Draft:
         """Keep the node budget that maximises expected tokens per second, for the drafting time
@@ -420,5 +420,5 @@ class DraftLimits:
     depth: int
     width: int
     max_nodes: int
+    lookup_depth: int  # longest prompt-lookup path
     gate: LevelGate | None = None
-    lookup_depth: int = 0  # longest prompt-lookup path; 0: ``depth``

@@ -162,7 +162,7 @@ def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampl
         generator=state.generator,
         noise_seed=state.noise_seed,
         gate=limits.gate,
-        lookup_depth=min(limits.lookup_depth or limits.depth, max_depth),
+        lookup_depth=min(limits.lookup_depth, max_depth),
     )
     draft = policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
     if draft.tree.size <= max_nodes:

@@ -29,7 +29,7 @@ from causaldraft.models.base import Backend, Cache
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import make_generator
-from causaldraft.threads import ThreadPolicy, step_on, thread_invariant
+from causaldraft.threads import ThreadPolicy, prompt_on, thread_invariant
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Engine:
         seeded = seed is not None and not sampling.greedy and not gumbel
         threads = None if seeded else self.threads
         started = time.perf_counter()
-        with step_on(threads):
+        with prompt_on(threads):  # all threads, whatever the steps run on (``ThreadPolicy.prompt``)
             state = prefill(decoder, prompt_ids, max_new_tokens, generator, cache)
         if gumbel:
             state.noise_seed = seed if seed is not None else random.getrandbits(63)

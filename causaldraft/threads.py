@@ -19,11 +19,12 @@ next probe comes 128 steps later. Another process starts; two-thread passes slow
 passes the one-thread 1.4 within a few steps: a probe measures 1.4 again and the policy switches.
 Probes of all threads then come every 64, 128, ... steps until the machine is quiet again.
 
-Exactness: the passes' results must not depend on the thread count. The int4 and int8 kernels
+Exactness: the steps' passes must not depend on the thread count. The int4 and int8 kernels
 split output blocks between threads and compute each the same way, and attention's products were
-checked to agree across thread counts (docs/exactness.md); ``threads_agree`` checks a real prompt
-and pass once per set of compiled graphs (``thread_invariant``), and the policy stays off where the
-logits differ in any bit.
+checked to agree across thread counts (docs/exactness.md); ``threads_agree`` checks a real pass
+once per set of compiled graphs (``thread_invariant``), and the policy stays off where the logits
+differ in any bit. Prompts are always read on all threads (``ThreadPolicy.prompt``): a pass over
+hundreds of prompt rows need not be thread-invariant (oneDNN's products on AMX machines are not).
 """
 
 from __future__ import annotations
@@ -90,6 +91,24 @@ class ThreadPolicy:
         finally:
             torch.set_num_threads(saved)
 
+    @contextmanager
+    def prompt(self) -> Iterator[None]:
+        """Read a prompt on all threads (``full``), whatever the policy chose for the steps: a prompt pass's
+        bits may depend on the thread count. On an AVX-512 machine with AMX (stop 35), the int4 model's
+        prompt twin (bf16 products through oneDNN) wrote other keys on one thread than on two for prompts of
+        257 tokens and more (``threads_agree`` reads 96); a second turn prefilled during a one-thread stretch
+        then decoded other tokens than plain decoding on two threads. Decoding steps are thread-invariant
+        (checked at load), so only the prompt must stay on one count."""
+        saved = torch.get_num_threads()
+        if saved == self.full:
+            yield
+            return
+        torch.set_num_threads(self.full)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(saved)
+
     def observe_pass(self, nodes: int, seconds: float) -> None:
         """``observe`` a verify pass over ``nodes`` new tokens of one sequence."""
         self.observe(seconds, self.baseline(nodes))
@@ -149,6 +168,16 @@ def step_on(threads: ThreadPolicy | None) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def prompt_on(threads: ThreadPolicy | None) -> Iterator[None]:
+    """``threads.prompt()``; for None, torch's thread count as it is."""
+    if threads is None:
+        yield
+        return
+    with threads.prompt():
+        yield
+
+
 def ema(previous: float, value: float, keep: float) -> float:
     return keep * previous + (1 - keep) * value
 
@@ -177,8 +206,8 @@ def threads_agree(
 ) -> bool:
     """Whether a pass of ``rows`` new tokens after a ``context``-token prompt gives the same logits,
     bit for bit, on ``threads`` threads and on one (torch's count is restored). The prompt is read as
-    prompts are: by ``prompt_reader`` (a quantized model's prompt twin) or the backend, more than 64
-    tokens at once."""
+    prompts are: on ``threads`` threads (``ThreadPolicy.prompt``), by ``prompt_reader`` (a quantized
+    model's prompt twin) or the backend, more than 64 tokens at once."""
     if threads <= 1:
         return True
     reader = prompt_reader or backend
@@ -189,9 +218,10 @@ def threads_agree(
     logits = []
     try:
         for count in (threads, 1):
-            torch.set_num_threads(count)
+            torch.set_num_threads(threads)
             cache = backend.new_cache(context + rows)
             reader.forward(tokens[:context], torch.arange(context), causal[:context, :context], cache)
+            torch.set_num_threads(count)
             out = backend.forward(tokens[context:], torch.arange(context, context + rows), causal[context:], cache)
             logits.append(out.logits)
     finally:

@@ -4,7 +4,7 @@ set for a step and restored, and token-identical output when the count changes b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -111,6 +111,33 @@ def test_a_step_runs_on_the_chosen_count_and_restores_torch_s(two_threads: None)
         assert torch.get_num_threads() == 2
 
 
+def test_a_prompt_is_read_on_all_threads_whatever_the_steps_run_on(two_threads: None) -> None:
+    policy = ThreadPolicy(2, current=1)
+    with policy.step():
+        assert torch.get_num_threads() == 1
+        with policy.prompt():  # a request started while the steps run on one thread
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+    with policy.prompt():
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 2
+
+
+@dataclass
+class CountingReader:
+    """A backend that records the thread count of each ``forward`` call and is otherwise ``backend``."""
+
+    backend: object
+    counts: list[int]
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        self.counts.append(torch.get_num_threads())
+        return self.backend.forward(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:  # everything else is the backend's
+        return getattr(self.backend, name)
+
+
 @dataclass
 class EveryOtherStep(ThreadPolicy):
     """Alternates between one thread and all of them, step by step, and counts its steps."""
@@ -144,6 +171,24 @@ def test_output_is_token_identical_when_the_thread_count_changes_between_steps(
     spec.threads = EveryOtherStep(2)
     batched = generate_batch(spec, prompts, size=2, max_new_tokens=40)
     assert [result.token_ids for result in batched] == expected and spec.threads.steps > 0
+
+
+def test_prompts_are_read_on_all_threads_while_the_steps_run_on_one(tiny_llama_dir: Path, two_threads: None) -> None:
+    """A prompt pass need not be thread-invariant (on AMX machines, oneDNN's products over hundreds of rows
+    are not), so an engine whose steps run on one thread still reads every prompt, single or batched, on all."""
+    spec = causaldraft.load(str(tiny_llama_dir), drafter="lookup", dtype="int4", calibrate=False)
+    counts: list[int] = []
+    reader = CountingReader(spec.decoder.prefill_target or spec.decoder.target, counts)
+    spec.decoder = replace(spec.decoder, prefill_target=reader)  # type: ignore[arg-type]
+    spec.threads = ThreadPolicy(2, current=1)
+    ran: list[int] = []
+    tracked = spec.decoder.target
+    spec.decoder = replace(spec.decoder, target=CountingReader(tracked, ran))  # type: ignore[arg-type]
+    spec.generate("hello world hello world", max_new_tokens=8)
+    generate_batch(spec, ["the cat sat", "on the mat"], size=2, max_new_tokens=8)
+    assert counts == [2, 2, 2]  # three prompts, all threads
+    assert ran and set(ran) == {1}  # the steps ran where the policy said
+    assert torch.get_num_threads() == 2
 
 
 def test_the_verdict_is_kept_beside_the_graphs(tiny_llama_dir: Path, graph_root: Path, two_threads: None) -> None:

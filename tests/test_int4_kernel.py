@@ -2,10 +2,12 @@
 
 The kernel tests run on the build this CPU picks; ``test_the_other_builds_pass_the_kernel_tests``
 runs them again in a subprocess for each other build the CPU can run (the AVX2 build on an AVX-512
-bf16 CPU)."""
+bf16 CPU; where it runs both the AVX-512 bf16 and the VNNI build, the one the machine's timing did not choose)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from causaldraft.models import int4_kernel
+from causaldraft.models import int4_kernel, kernel_choice
 from causaldraft.models.packed import PackedLinear
 from causaldraft.models.quant import (
     Bf16BlockLinear,
@@ -36,14 +38,14 @@ KERNEL_TESTS = (
     " and not int8 and not bf16"
 )
 INT8_TESTS = "int8"  # the AVX2 build's int8 product
-BF16_TESTS = "bf16"  # the bf16 product of the AVX-512 bf16 and AVX2 builds
+BF16_TESTS = "bf16"  # the bf16 product of the AVX-512 bf16, VNNI and AVX2 builds
 needs_int8 = pytest.mark.skipif(
     not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().int8_products) or shutil.which("c++") is None,  # type: ignore[union-attr]
     reason="the int8 product is the AVX2 build's",
 )
 needs_bf16 = pytest.mark.skipif(
     not (int4_kernel.cpu_supported() and int4_kernel.build_for_cpu().bf16_products) or shutil.which("c++") is None,  # type: ignore[union-attr]
-    reason="the bf16 product is the AVX-512 bf16 and the AVX2 builds'",
+    reason="the bf16 product is the AVX-512 bf16, the VNNI and the AVX2 builds'",
 )
 
 
@@ -230,14 +232,58 @@ def test_the_build_asked_for_is_the_one_loaded() -> None:
     build = int4_kernel.build_for_cpu()
     assert build is not None and int4_kernel.available()
     assert build.isa == (wanted or next(b.isa for b in int4_kernel.BUILDS if b.source == build.source))
-    if not wanted:
-        assert build == next(b for b in int4_kernel.BUILDS if set(b.cpu_flags) <= set(int4_kernel.cpu_flags()))
+    runnable = [b for b in int4_kernel.BUILDS if set(b.cpu_flags) <= set(int4_kernel.cpu_flags())]
+    if not wanted and not {"avx512_bf16", "vnni"} <= {b.isa for b in runnable}:
+        assert build == runnable[0]  # no choice to make: the first build this CPU runs
+
+
+def test_a_build_is_chosen_only_when_clearly_faster() -> None:
+    first, vnni = (next(b for b in int4_kernel.BUILDS if b.isa == isa) for isa in ("avx512_bf16", "vnni"))
+    assert kernel_choice.prefer((first, vnni), {"avx512_bf16": 20.3, "vnni": 11.8}) == vnni
+    assert kernel_choice.prefer((first, vnni), {"avx512_bf16": 7.9, "vnni": 10.4}) == first
+    assert kernel_choice.prefer((first, vnni), {"avx512_bf16": 7.9, "vnni": 7.0}) == first  # within the margin
+    assert kernel_choice.prefer((first, vnni), {"avx512_bf16": 7.9, "vnni": None}) == first  # its probe failed
+    assert kernel_choice.prefer((first, vnni), {"avx512_bf16": None, "vnni": 3.0}) == first
+
+
+both_choices = pytest.mark.skipif(
+    not {"avx512_bf16", "vnni"}
+    <= {b.isa for b in int4_kernel.BUILDS if set(b.cpu_flags) <= set(int4_kernel.cpu_flags())}
+    or shutil.which("c++") is None,
+    reason="needs a CPU that runs both the AVX-512 bf16 and the VNNI build",
+)
+
+
+@both_choices
+@pytest.mark.parametrize("kept", ["avx512_bf16", "vnni"])
+def test_the_kept_choice_is_the_build_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str) -> None:
+    """Once a machine's choice is kept, every load reads it (no timing): here a choice written by hand."""
+    monkeypatch.setenv("CAUSALDRAFT_HOME", str(tmp_path))
+    monkeypatch.delenv(int4_kernel.SWITCH, raising=False)
+    contenders = tuple(b for b in int4_kernel.BUILDS if b.isa in int4_kernel.CHOICES)
+    path = kernel_choice.choice_path(contenders)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"isa": kept}))
+    kernel_choice.chosen_build.cache_clear()
+    try:
+        assert int4_kernel.build_for_cpu().isa == kept  # type: ignore[union-attr]
+    finally:
+        kernel_choice.chosen_build.cache_clear()
+
+
+@both_choices
+def test_the_probe_times_a_build_in_a_process_of_its_own() -> None:
+    vnni = next(b for b in int4_kernel.BUILDS if b.isa == "vnni")
+    milliseconds = kernel_choice.probe(vnni)
+    assert milliseconds is not None and 0 < milliseconds < 10_000
+    assert kernel_choice.probe(dataclasses.replace(vnni, isa="no-such-build")) is None  # a failed probe
 
 
 def other_builds() -> list[str]:
     flags = set(int4_kernel.cpu_flags())
     runnable = [build.isa for build in int4_kernel.BUILDS if set(build.cpu_flags) <= flags]
-    return runnable[1:]  # the first is what this session's tests ran
+    loaded = int4_kernel.build_for_cpu()
+    return [isa for isa in runnable if loaded is None or isa != loaded.isa]  # not the one this session's tests ran
 
 
 @needs_kernel

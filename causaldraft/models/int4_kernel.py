@@ -20,19 +20,21 @@ the thread count, so the product is row-invariant, which exactness needs (docs/e
 
 The VNNI build (since stop 32, ``CAUSALDRAFT_INT4_KERNEL=vnni``) computes the AVX2 build's arithmetic bit
 for bit with AVX-512 VNNI integer dot products (vpdpbusd: one instruction per row and 4 inputs of 16
-channels). It is not the default: the int8 activations cost the default model's int4 output a fourfold KL
-against fp32 (0.00277 against 0.00066; greedy match 96.3 % against 98.4 %, ``bench/quant_quality.py``), and
-since the AVX-512 bf16 build keeps its totals in registers too (stop 33) it is no faster (4-row products
-3.1-3.5 ms against 2.1-2.2, measured back to back).
+channels). The int8 activations cost the default model's int4 output a fourfold KL against fp32 (0.00277
+against 0.00066; greedy match 96.3 % against 98.4 %, ``bench/quant_quality.py``), so it runs only where it is
+clearly faster: on AMD Zen 5 it is not (4-row products 3.1-3.5 ms against 2.1-2.2 since stop 33), on an Intel
+Xeon with AMX it takes about half the time (stop 35). Where the CPU runs both, the first load times them and
+keeps the answer (``kernel_choice``).
 
-The AVX-512 bf16 build also defines ``causaldraft::bf16_mm`` (since stop 33), the bf16 product bf16
-models' layers run through (``Build.bf16_products``, ``quant.Bf16BlockLinear``), as the AVX2 build does
-with fp32 multiply-adds since stop 24.
+Both AVX-512 builds carry ``causaldraft::bf16_mm`` (``kernels/bf16_mm.cpp``, built beside either; since stop 33,
+in the bf16 build's source until stop 35), the bf16 product bf16 models' layers run through
+(``Build.bf16_products``, ``quant.Bf16BlockLinear``), as the AVX2 build does with fp32 multiply-adds since
+stop 24.
 
-Used where the CPU has AVX-512 with bf16 (the bf16 build), else AVX2 with FMA (the AVX2 build), all on
-the same records, when a C++ compiler is found and ``CAUSALDRAFT_INT4_KERNEL`` is not ``torch``; it may
-name a build (``vnni``, ``avx2``) to pick it where the CPU runs it. Otherwise int4 linears use torch's
-kernel (with a message when a build failed).
+Used where the CPU has AVX-512 with bf16 (the bf16 build, or the VNNI build where timing chose it), else
+AVX2 with FMA (the AVX2 build), all on the same records, when a C++ compiler is found and
+``CAUSALDRAFT_INT4_KERNEL`` is not ``torch``; it may name a build (``avx512_bf16``, ``vnni``, ``avx2``) to
+pick it where the CPU runs it. Otherwise int4 linears use torch's kernel (with a message when a build failed).
 The builds use OpenMP threads (``-fopenmp``: ``at::parallel_for`` is inline and runs serially without it).
 The build (~10 s) lands in ``$CAUSALDRAFT_HOME/kernels/<digest of the source, flags and torch>``.
 
@@ -68,32 +70,42 @@ class Build:
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     int8_products: bool = False  # also defines ``causaldraft::int8_mm``
-    bf16_products: bool = False  # also defines ``causaldraft::bf16_mm``
+    bf16_products: bool = False  # also defines ``causaldraft::bf16_mm`` (in ``source``, or built from ``bf16_source``)
     int8_activations: bool = False  # int4_mm (and int8_mm) round activations as ``quantize_activations`` does
+    bf16_source: Path | None = None  # ``bf16_mm`` built beside ``source`` (with ``BF16_FLAGS``)
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        return (self.source,) if self.bf16_source is None else (self.source, self.bf16_source)
 
 
 # In order of preference. All read the same records; the VNNI and AVX2 builds round activations to int8
 # per group and compute the same bits (compiled graphs are keyed by the build, so each has its own).
-# Where AVX-512 bf16 runs, its exact products are the default (and its bf16 product serves bf16 models'
-# layers); the VNNI build (int8 activations, no bf16 product) is chosen by ``SWITCH``. A CPU with VNNI but
-# no AVX-512 bf16 keeps the AVX2 build, whose int8 and bf16 products it uses where oneDNN lacks bf16 products.
+# Where both the AVX-512 bf16 and the VNNI build run, the first load times both and keeps the faster, the
+# bf16 build unless the VNNI build is clearly faster (``kernel_choice``; ``SWITCH`` names one instead). Both
+# carry the AVX-512 bf16 product for bf16 models' layers (``BF16_SOURCE``). A CPU with VNNI but no AVX-512
+# bf16 keeps the AVX2 build, whose int8 and bf16 products it uses where oneDNN lacks bf16 products.
+BF16_SOURCE = KERNELS / "bf16_mm.cpp"
+BF16_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 BUILDS = (
     Build(
         "avx512_bf16", KERNELS / "int4_mm.cpp",
         ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), bf16_products=True,
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), bf16_products=True, bf16_source=BF16_SOURCE,
     ),
     Build(
         "vnni", KERNELS / "int4_mm_vnni.cpp",
         ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"), int8_activations=True,
+        bf16_products=True, bf16_source=BF16_SOURCE,
     ),
     Build(
         "avx2", KERNELS / "int4_mm_avx2.cpp", ("-O3", "-fopenmp", "-mavx2", "-mfma"), ("avx2", "fma"),
         int8_products=True, bf16_products=True, int8_activations=True,
     ),
 )  # fmt: skip
-SOURCES = tuple(sorted({build.source for build in BUILDS}))  # (graph keys hash them: not in preference order)
+SOURCES = tuple(sorted({source for build in BUILDS for source in build.sources}))  # graph keys hash them
+CHOICES = ("avx512_bf16", "vnni")  # builds timed against each other where both run (``kernel_choice``)
 BLOCK = 16  # output channels per record
 GROUP = 32  # inputs per record (the quantization group)
 INT8_BLOCK = 8  # output channels per record of ``int8_mm`` (one int32 lane each)
@@ -112,15 +124,21 @@ def cpu_flags() -> tuple[str, ...]:
 
 
 def build_for_cpu() -> Build | None:
-    """The first build this CPU runs (honouring ``SWITCH``), or None."""
+    """The build ``SWITCH`` names, where this CPU runs it; without a switch, the first build this CPU runs, or
+    where it runs both ``CHOICES`` the one measured faster on it (``kernel_choice.chosen_build``). None: none."""
     wanted = os.environ.get(SWITCH, "").lower()
     if wanted == "torch":
         return None
     flags = cpu_flags()
-    for build in BUILDS:
-        if wanted in ("", build.isa) and all(flag in flags for flag in build.cpu_flags):
-            return build
-    return None
+    runnable = [b for b in BUILDS if wanted in ("", b.isa) and all(flag in flags for flag in b.cpu_flags)]
+    if not runnable:
+        return None
+    contenders = [build for build in runnable if build.isa in CHOICES]
+    if wanted or len(contenders) < 2 or runnable[0] is not contenders[0]:
+        return runnable[0]
+    from causaldraft.models.kernel_choice import chosen_build
+
+    return chosen_build(tuple(contenders))
 
 
 def cpu_supported() -> bool:
@@ -183,8 +201,19 @@ def available() -> bool:
     torch.library.register_fake("causaldraft::int4_mm")(shape_of_product)
     if build.int8_products:
         torch.library.register_fake("causaldraft::int8_mm")(shape_of_int8_product)
-    if build.bf16_products:
-        torch.library.register_fake("causaldraft::bf16_mm")(shape_of_bf16_product)
+    return True
+
+
+@functools.cache
+def bf16_loaded() -> bool:
+    """Whether the build's ``bf16_mm`` is loaded: part of its source, or built beside it from ``bf16_source``
+    (where that fails, bf16 models' layers go through oneDNN); once per process."""
+    build = build_for_cpu()
+    if build is None or not build.bf16_products or not available():
+        return False
+    if build.bf16_source is not None and not load_source("bf16", build.bf16_source, BF16_FLAGS):
+        return False
+    torch.library.register_fake("causaldraft::bf16_mm")(shape_of_bf16_product)
     return True
 
 
@@ -201,8 +230,7 @@ def bf16_available() -> bool:
     The AVX-512 bf16 build's (vdpbf16ps, since stop 33) reads the weights at about the memory's speed
     where oneDNN's reach ~2/3 of it; the AVX2 build's (fp32 multiply-adds) replaces torch's generic
     bf16 product on CPUs without native bf16 products."""
-    build = build_for_cpu()
-    return build is not None and build.bf16_products and available()
+    return bf16_loaded()
 
 
 def shape_of_int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -195,6 +195,8 @@ class Bf16BlockLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
+        if not int4_kernel.bf16_available():  # loads the build's bf16 product where it is separate
+            raise RuntimeError("causaldraft's bf16 product is not built on this machine (int4_kernel.bf16_available)")
         self.out_features, self.in_features = weight.shape
         padding = -self.out_features % int4_kernel.BLOCK  # zero channels up to a whole block, cut off after
         padded = torch.cat((weight.detach(), weight.new_zeros(padding, self.in_features)))

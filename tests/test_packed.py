@@ -57,8 +57,9 @@ def test_every_row_is_its_one_row_product(in_features: int) -> None:
 @needs_packing
 def test_unpadded_one_row_products_can_differ() -> None:
     """Why short calls are padded: for in_features 1536 some input's unpadded one-row product
-    differs from the same row in a call of four (if oneDNN ever stops doing this, the padding is
-    merely unneeded, and this test says so)."""
+    differs from the same row in a call of four (measured on AMD Zen 3 and Zen 5). Where this CPU's
+    oneDNN computes one row as it computes four (an Intel Xeon with AMX, stop 35), the padding is
+    merely unneeded, and the test says so by skipping; the padded product is checked either way."""
     weight = random_weight(1024, 1536)
     packed = pack(weight, MAX_ROWS_PER_CALL)
     differs = False
@@ -67,7 +68,8 @@ def test_unpadded_one_row_products_can_differ() -> None:
         one = torch.cat([packed_product(rows[i : i + 1], packed) for i in range(4)])
         differs |= not torch.equal(packed_product(rows, packed), one)
         assert torch.equal(padded_product(rows[:1], packed), packed_product(rows, packed)[:1])
-    assert differs
+    if not differs:
+        pytest.skip("this CPU's oneDNN computes an unpadded row as it does in a call of four: padding is unneeded here")
 
 
 @needs_packing

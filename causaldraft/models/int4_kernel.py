@@ -230,7 +230,8 @@ def bf16_available() -> bool:
     The AVX-512 bf16 build's (vdpbf16ps, since stop 33) reads the weights at about the memory's speed
     where oneDNN's reach ~2/3 of it; the AVX2 build's (fp32 multiply-adds) replaces torch's generic
     bf16 product on CPUs without native bf16 products."""
-    return bf16_loaded()
+    build = build_for_cpu()  # asked each time, as ``SWITCH`` may have changed: ``bf16_loaded`` is once per process
+    return build is not None and build.bf16_products and bf16_loaded()
 
 
 def shape_of_int8_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ hundreds of prompt rows need not be thread-invariant (oneDNN's products on AMX m
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -76,38 +76,20 @@ class ThreadPolicy:
         """The count this step runs on: the other one while probing."""
         return self.other if self.probe_left > 0 else self.current
 
-    @contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> AbstractContextManager[None]:
         """Run one step on the count the policy chose; torch's count is restored afterwards, so nothing
         outside a step (a seeded request, the caller's own work) sees a change. Setting the count
         costs ~2 us and wakes no thread."""
-        saved = torch.get_num_threads()
-        if not self.enabled or self.running == saved:
-            yield
-            return
-        torch.set_num_threads(self.running)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(saved)
+        return on_threads(self.running if self.enabled else None)
 
-    @contextmanager
-    def prompt(self) -> Iterator[None]:
+    def prompt(self) -> AbstractContextManager[None]:
         """Read a prompt on all threads (``full``), whatever the policy chose for the steps: a prompt pass's
         bits may depend on the thread count. On an AVX-512 machine with AMX (stop 35), the int4 model's
         prompt twin (bf16 products through oneDNN) wrote other keys on one thread than on two for prompts of
         257 tokens and more (``threads_agree`` reads 96); a second turn prefilled during a one-thread stretch
         then decoded other tokens than plain decoding on two threads. Decoding steps are thread-invariant
         (checked at load), so only the prompt must stay on one count."""
-        saved = torch.get_num_threads()
-        if saved == self.full:
-            yield
-            return
-        torch.set_num_threads(self.full)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(saved)
+        return on_threads(self.full if self.enabled else None)
 
     def observe_pass(self, nodes: int, seconds: float) -> None:
         """``observe`` a verify pass over ``nodes`` new tokens of one sequence."""
@@ -159,23 +141,27 @@ class ThreadPolicy:
 
 
 @contextmanager
-def step_on(threads: ThreadPolicy | None) -> Iterator[None]:
+def on_threads(count: int | None) -> Iterator[None]:
+    """torch's thread count set to ``count`` (None: as it is) inside, restored afterwards."""
+    saved = torch.get_num_threads()
+    if count is None or count == saved:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def step_on(threads: ThreadPolicy | None) -> AbstractContextManager[None]:
     """``threads.step()``; for None, torch's thread count as it is."""
-    if threads is None:
-        yield
-        return
-    with threads.step():
-        yield
+    return threads.step() if threads is not None else on_threads(None)
 
 
-@contextmanager
-def prompt_on(threads: ThreadPolicy | None) -> Iterator[None]:
+def prompt_on(threads: ThreadPolicy | None) -> AbstractContextManager[None]:
     """``threads.prompt()``; for None, torch's thread count as it is."""
-    if threads is None:
-        yield
-        return
-    with threads.prompt():
-        yield
+    return threads.prompt() if threads is not None else on_threads(None)
 
 
 def ema(previous: float, value: float, keep: float) -> float:

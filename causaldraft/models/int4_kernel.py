@@ -86,11 +86,11 @@ class Build:
 # carry the AVX-512 bf16 product for bf16 models' layers (``BF16_SOURCE``). A CPU with VNNI but no AVX-512
 # bf16 keeps the AVX2 build, whose int8 and bf16 products it uses where oneDNN lacks bf16 products.
 BF16_SOURCE = KERNELS / "bf16_mm.cpp"
+# the AVX-512 bf16 build's flags too
 BF16_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 BUILDS = (
     Build(
-        "avx512_bf16", KERNELS / "int4_mm.cpp",
-        ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        "avx512_bf16", KERNELS / "int4_mm.cpp", BF16_FLAGS,
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), bf16_products=True, bf16_source=BF16_SOURCE,
     ),
     Build(

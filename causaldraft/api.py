@@ -276,6 +276,21 @@ def compile_backend(target: LoadedModel, progress: bool = True) -> bool:
     return True
 
 
+def check_graph_features(backend: Backend, drafter: str, feature_layers: tuple[int, ...]) -> None:
+    """Refuse a drafter reading the features of layers the compiled graphs do not return: its verify passes
+    would run eagerly while plain decoding runs the graphs, and the two may round a row differently
+    (docs/exactness.md), which would break token-identity with plain decoding."""
+    if not isinstance(backend, NativeLlama) or not backend.compiled:
+        return
+    missing = sorted(set(feature_layers) - set(backend.graph_aux_layers))
+    if missing:
+        raise CausalDraftError(
+            f"drafter {drafter} reads the features of layers {tuple(feature_layers)}, but the compiled graphs return"
+            f" those of layers {backend.graph_aux_layers} only (missing {tuple(missing)}); run it without compiled"
+            " graphs (--no-compile, or compile=False)"
+        )
+
+
 def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], remeasure: bool = False) -> VerifyCost:
     """The measured cost of verify passes. With compiled graphs it is measured once and kept
     beside them (``remeasure`` times it again); the decode loop refines it from every step."""
@@ -320,6 +335,7 @@ def load(
                                      heads=config.heads, lookup_merge=config.lookup_merge, store=config.store,
                                      use_store=config.use_store)  # fmt: skip
     chosen = build_drafter(config.drafter, target, drafter_options, target.dtype)
+    check_graph_features(target.backend, chosen.name, chosen.feature_layers)
     tree_config = config.tree_config
     if config.calibrate:
         cost = verify_cost(target.backend, tree_config.max_nodes, chosen.feature_layers)

@@ -374,6 +374,10 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(
     for prompt, tokens in zip(PROMPTS[:2], expected, strict=True):
         assert spec.generate(prompt, max_new_tokens=24).token_ids == tokens
     assert store.builds == graphs
+    # a layer reading a layer the graphs do not return would verify eagerly: refused, not silently inexact
+    assert not set(AUX) <= set(aux_layers)
+    with pytest.raises(CausalDraftError, match=r"compiled graphs return .*missing \(3,\)"):
+        load(loaded=loaded, drafter="eagle3", heads=str(layer_dir(loaded, tmp_path / "other")), calibrate=False)
 
 
 @pytest.mark.parametrize("calibrated", [False, True])

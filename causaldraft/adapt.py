@@ -54,6 +54,21 @@ LEVEL_KEEP = 0.8  # measured seconds of drafting one tree level, per level
 CHILD_SHARES = (0.5, 0.25, 0.1)
 
 
+# A dynamic tree's default depth where verify passes cost about the same over 2 and 16 rows: deep paths are
+# then nearly free to verify, and confident runs (lists, code, repeated phrases) accept all of them. bf16 through
+# oneDNN on an AMX Xeon (2 / 16 rows 16.4 / 19.6 ms): depth 12 against 8 gave eagle3 142.6 / 138.9 tokens/s against
+# ~110-121 and markov and lookup +15-22 %; with `bf16_mm` there (18.2 / 29.1 ms) depth 12 changed nothing, nor in
+# int4; on Zen (stop 28, oneDNN without AMX) depths 12 and 16 lost to 8 (README, stop 36)
+FLAT_COST_DEPTH = 12
+FLAT_COST_RATIO = 1.3  # cost(16 rows) / cost(2 rows) at or below which passes count as flat
+
+
+def dynamic_depth(cost: VerifyCost, depth: int) -> int:
+    """The depth ceiling of a dynamic tree left at its default ``depth``: ``FLAT_COST_DEPTH`` where the
+    calibrated ``cost`` of a 16-row pass is at most ``FLAT_COST_RATIO`` times a 2-row pass's, else ``depth``."""
+    return max(depth, FLAT_COST_DEPTH) if cost(16) <= FLAT_COST_RATIO * cost(2) else depth
+
+
 def round_up(sizes: tuple[int, ...], n: int) -> int:
     """The smallest of ``sizes`` (ascending) that is >= n, or n itself past the largest."""
     return next((size for size in sizes if size >= n), n)

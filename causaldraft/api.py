@@ -17,6 +17,7 @@ from causaldraft.adapt import (
     BudgetPolicy,
     VerifyCost,
     calibration_name,
+    dynamic_depth,
     initial_adapt_state,
     measure_verify_cost,
     plausible_calibration,
@@ -339,6 +340,8 @@ def load(
     tree_config = config.tree_config
     if config.calibrate:
         cost = verify_cost(target.backend, tree_config.max_nodes, chosen.feature_layers)
+        if config.tree == "dynamic" and config.depth is None:
+            tree_config = replace(tree_config, depth=dynamic_depth(cost, tree_config.depth))
     else:
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()

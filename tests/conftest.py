@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from causaldraft.models import bf16_choice
 from causaldraft.models.loading import LoadedModel, load_model
 from tests.tiny import save_tiny_gpt2, save_tiny_llama
 
@@ -51,6 +52,9 @@ def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
 def isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep converted/quantized caches of tests out of the user's home, except the default model."""
     monkeypatch.setenv("CAUSALDRAFT_TEST", "1")
+    # compiled bf16 models trace their kernel linears unless a test asks for oneDNN's frozen products: the
+    # same graphs on every CPU (the timed choice between the two has its own tests, tests/test_bf16_choice.py)
+    monkeypatch.setenv(bf16_choice.SWITCH, bf16_choice.KERNEL)
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,17 @@
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from causaldraft.adapt import (
+    FLAT_COST_DEPTH,
     BudgetPolicy,
     DepthGate,
     VerifyCost,
     choose_budget,
+    dynamic_depth,
     initial_adapt_state,
     update_after_step,
 )
@@ -182,3 +185,30 @@ def test_kept_calibrations_that_fall_with_more_rows_are_not_trusted() -> None:
     assert plausible_calibration({1: 0.010, 2: 0.012, 4: 0.011, 8: 0.020})
     assert not plausible_calibration({1: 0.025, 2: 0.139, 4: 0.034, 8: 0.062})
     assert plausible_calibration({})
+
+
+def test_dynamic_trees_go_deeper_where_verify_passes_cost_about_the_same_over_2_and_16_rows() -> None:
+    onednn_amx = VerifyCost({2: 0.0164, 8: 0.0177, 16: 0.0196, 32: 0.0250}, buckets=(2, 4, 8, 16, 32))
+    kernel = VerifyCost({1: 0.0147, 2: 0.0155, 8: 0.0196, 16: 0.0291, 32: 0.0498}, buckets=(1, 2, 4, 8, 16, 32))
+    assert dynamic_depth(onednn_amx, 8) == FLAT_COST_DEPTH == 12
+    assert dynamic_depth(kernel, 8) == 8
+    assert dynamic_depth(onednn_amx, 16) == 16  # never shallower than asked
+
+
+def test_the_engine_deepens_only_a_default_dynamic_tree_and_only_from_measured_costs(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import causaldraft
+    from causaldraft import api
+
+    flat = VerifyCost({1: 0.010, 2: 0.010, 16: 0.011, 64: 0.012})
+    monkeypatch.setattr(api, "verify_cost", lambda *args, **kwargs: VerifyCost(dict(flat.seconds)))
+    directory = str(tiny_llama_dir)
+    deep = causaldraft.load(directory, dtype="float32", drafter="lookup")
+    assert deep.decoder.tree.depth == FLAT_COST_DEPTH and deep.adapt.depth == FLAT_COST_DEPTH
+    assert causaldraft.load(directory, dtype="float32", drafter="lookup", depth=6).decoder.tree.depth == 6
+    assert causaldraft.load(directory, dtype="float32", drafter="lookup", tree="static").decoder.tree.depth == 5
+    uncalibrated = causaldraft.load(directory, dtype="float32", drafter="lookup", calibrate=False)
+    assert uncalibrated.decoder.tree.depth == 8  # no measured costs: the kind's default
+    monkeypatch.setattr(api, "verify_cost", lambda *args, **kwargs: VerifyCost({1: 0.010, 2: 0.011, 16: 0.030}))
+    assert causaldraft.load(directory, dtype="float32", drafter="lookup").decoder.tree.depth == 8

@@ -66,19 +66,24 @@ def tiny(tiny_llama_dir: Path) -> LoadedModel:
     return load_model(str(tiny_llama_dir), "native", "float32")
 
 
-def random_layer(tiny: LoadedModel, seed: int = 0, draft_vocab: int = 200) -> Eagle3Layer:
+def random_layer(
+    tiny: LoadedModel, seed: int = 0, draft_vocab: int = 200, aux_layers: tuple[int, ...] = AUX
+) -> Eagle3Layer:
     vocab = tiny.backend.shape.vocab_size
     ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
-    layer = new_layer(eagle3_config(tiny, draft_vocab, AUX), ids, tiny.backend.lm_head_weight(), seed)
+    layer = new_layer(eagle3_config(tiny, draft_vocab, aux_layers), ids, tiny.backend.lm_head_weight(), seed)
     with torch.no_grad():
         for parameter in layer.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
     return layer.eval()
 
 
-def layer_dir(tiny: LoadedModel, directory: Path, seed: int = 0, calibrated: bool = False) -> Path:
-    """A random layer saved to ``directory``; ``calibrated``: with temperatures other than 1."""
-    layer = random_layer(tiny, seed)
+def layer_dir(
+    tiny: LoadedModel, directory: Path, seed: int = 0, calibrated: bool = False, aux_layers: tuple[int, ...] = AUX
+) -> Path:
+    """A random layer saved to ``directory``; ``calibrated``: with temperatures other than 1; ``aux_layers``: the
+    target layers it reads (a compiled target's graphs return ``default_aux_layers`` only)."""
+    layer = random_layer(tiny, seed, aux_layers=aux_layers)
     if calibrated:
         layer.config = dataclasses.replace(layer.config, score_temperature=0.6, sampling_temperature_scale=0.5,
                                            noise_score_temperature=2.0)  # fmt: skip

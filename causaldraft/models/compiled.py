@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models import attention_kernel, blocked, int4_kernel, native, products, quant
+from causaldraft.models import attention_kernel, bf16_choice, blocked, int4_kernel, native, products, quant
 from causaldraft.models.blocked import KEY_BLOCK, BlockedKeys, sequence_keys, stack_keys
 from causaldraft.models.native import COMPILE_BUCKETS, QUANTIZED_BUCKETS, NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
@@ -183,6 +183,16 @@ class GraphKey:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
 
 
+def graph_model(model: NativeLlama) -> NativeLlama:
+    """The model the graphs are traced from: ``model``, or, for a bf16 model whose layers run through
+    causaldraft's kernel on a CPU where oneDNN's reordered products were measured faster
+    (``bf16_choice.layer_products``), its twin with plain linears over the same numbers, whose weights
+    the graphs freeze (``quant.with_plain_linears``). ``model`` keeps its kernel linears for eager passes."""
+    if model.quantized or not quant.has_block_linears(model) or bf16_choice.layer_products() != bf16_choice.ONEDNN:
+        return model
+    return quant.with_plain_linears(model)
+
+
 def compile_model(
     model: NativeLlama, buckets: tuple[int, ...] | None = None, store: GraphStore | None = None,
     progress: bool = True,
@@ -195,18 +205,22 @@ def compile_model(
     ``QUANTIZED_BUCKETS`` for int8/int4 weights); larger passes (a long prefill) run eagerly. The
     attention span is dynamic, so one graph per bucket serves every cache length. Graphs always
     return the inputs of ``default_aux_layers``, so plain decoding and feature drafters share them.
-    Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, these graphs 9 ms."""
+    Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, these graphs 9 ms.
+    A given ``store``'s key must be ``GraphKey.of(graph_model(model), ...)``."""
+    traced = graph_model(model)
     if buckets is None:
         buckets = QUANTIZED_BUCKETS if model.quantized else COMPILE_BUCKETS
-        if not model.quantized and kernel_products(model):
+        if not model.quantized and kernel_products(traced):
             buckets = (1, *buckets)  # row-invariant linears from one row: a one-row plain step pads nothing
         if model.llama_shape.num_heads == model.llama_shape.kv_heads:
             buckets = tuple(size for size in buckets if size > 1)  # one query row per kv head: see COMPILE_BUCKETS
     buckets = tuple(sorted(buckets))
     aux_layers = default_aux_layers(model.llama_shape.num_layers)
-    store = store or GraphStore(GraphKey.of(model, aux_layers))
-    weights = graph_inputs(model, store.key)
-    packages = store.load_or_build(model, buckets, progress)
+    store = store or GraphStore(GraphKey.of(traced, aux_layers))
+    if bool(store.key.weights) != frozen_weights(traced):
+        raise CausalDraftError("the graph store's key is not that of the traced model (compiled.graph_model)")
+    weights = graph_inputs(traced, store.key)
+    packages = store.load_or_build(traced, buckets, progress)
     model.graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
                     for bucket, package in packages.items()}  # fmt: skip
     model.graph_store = store
@@ -224,8 +238,9 @@ def compile_batch(
     if not isinstance(store, GraphStore):
         raise CausalDraftError("compile the model (compile_model) before its batch graphs")
     buckets = tuple(sorted(buckets or batch_row_buckets(model)))
-    packages = store.load_or_build(model, buckets, progress, sequences)
-    weights = graph_inputs(model, store.key)
+    traced = graph_model(model)
+    packages = store.load_or_build(traced, buckets, progress, sequences)
+    weights = graph_inputs(traced, store.key)
     model.batch_graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
                           for bucket, package in packages.items()}  # fmt: skip
     model.batch_sequences = sequences

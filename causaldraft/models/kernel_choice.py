@@ -82,26 +82,38 @@ def chosen_build(candidates: tuple[Build, ...]) -> Build:
     """The kept choice for this machine, or a new one measured now (and kept); read once per process."""
     path = choice_path(candidates)
     names = {build.isa: build for build in candidates}
-    try:
-        kept = json.loads(path.read_text())["isa"]
-        if kept in names:
-            return names[kept]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    kept = kept_choice(path, "isa", tuple(names))
+    if kept is not None:
+        return names[kept]
     from causaldraft.models.quant import notify
 
     notify(f"timing the int4 builds {', '.join(names)} once on this CPU (~1 min)")
     rounds = [{build.isa: probe(build) for build in candidates} for _ in range(PROBE_ROUNDS)]
     milliseconds = {build.isa: fastest([r[build.isa] for r in rounds]) for build in candidates}
     choice = prefer(candidates, milliseconds)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"isa": choice.isa, "ms": milliseconds, "rows": PROBE_ROWS, "cpu": cpu_model()}))
-    except OSError:
-        pass
+    keep_choice(path, {"isa": choice.isa, "ms": milliseconds, "rows": PROBE_ROWS, "cpu": cpu_model()})
     shown = ", ".join(f"{isa} {ms:.2f} ms" if ms is not None else f"{isa} failed" for isa, ms in milliseconds.items())
     notify(f"int4 products of rows {'/'.join(map(str, PROBE_ROWS))}: {shown}; using {choice.isa} (kept in {path})")
     return choice
+
+
+def kept_choice(path: Path, field: str, names: tuple[str, ...]) -> str | None:
+    """The choice kept in ``path`` (its ``field``) where it is one of ``names``; None for a missing, corrupt or
+    foreign file (then the caller measures again)."""
+    try:
+        kept = json.loads(path.read_text())[field]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return kept if kept in names else None
+
+
+def keep_choice(path: Path, record: dict[str, object]) -> None:
+    """Write a measured choice for later processes (a read-only home only costs a new measurement next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    except OSError:
+        pass
 
 
 def fastest(values: list[float | None]) -> float | None:

@@ -24,9 +24,11 @@ through ``gguf_q4``); this module holds the formats and the modules only.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -240,6 +242,29 @@ def use_block_linears(model: NativeLlama, head: bool = True) -> bool:
         parent = modules[parent_name] if parent_name else model
         setattr(parent, attribute, Bf16BlockLinear(linear.weight, linear.bias))
     return True
+
+
+def with_plain_linears(model: NativeLlama) -> NativeLlama:
+    """A twin of ``model`` whose layers' ``Bf16BlockLinear`` are ``nn.Linear`` over the same bf16 numbers
+    (what compiled graphs freeze for oneDNN, ``compiled.graph_model``); the embedding, norms' values, final
+    norm and LM head are ``model``'s. ``model`` is unchanged."""
+    layers = []
+    for layer in model.layers:
+        # deepcopy's memo hands out the plain linears in place of the kernel's (their packed weights are not copied)
+        memo: dict[int, Any] = {
+            id(block): plain_linear(block) for block in layer.modules() if isinstance(block, Bf16BlockLinear)
+        }
+        layers.append(copy.deepcopy(layer, memo))
+    return model.sharing(layers)
+
+
+def plain_linear(block: Bf16BlockLinear) -> nn.Linear:
+    """The ``nn.Linear`` computing ``block``'s product with torch's kernels (the weight unpacked: a copy)."""
+    linear = nn.Linear(block.in_features, block.out_features, bias=block.bias is not None, device="meta")
+    linear.weight = nn.Parameter(block.weight.contiguous(), requires_grad=False)
+    if block.bias is not None:
+        linear.bias = nn.Parameter(block.bias.clone(), requires_grad=False)
+    return linear
 
 
 class Int4Linear(nn.Module):

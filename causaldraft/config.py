@@ -44,7 +44,8 @@ CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)
 STATIC_DEPTH = 5  # a static tree drafts every level of its fixed shape
 # A dynamic tree's depth is a ceiling: its depth gate drafts a level only where the cost model says it pays.
 # 8 since stop 28 (5 before): with attention's AVX-512 build, 8 gave every tree drafter 4-13 % more tokens/s
-# in bf16 (the prompts and 16 others), and 12 or 16 less than 8 (README, stop 28).
+# in bf16 (the prompts and 16 others), and 12 or 16 less than 8 (README, stop 28). Where verify passes
+# cost about the same over 2 and 16 rows, the engine takes 12 instead (``adapt.dynamic_depth``, stop 36).
 DYNAMIC_DEPTH = 8
 DEFAULT_DEPTHS = {"chain": CHAIN_DEPTH, "static": STATIC_DEPTH, "dynamic": DYNAMIC_DEPTH}
 

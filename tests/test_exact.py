@@ -24,7 +24,7 @@ from causaldraft.models.products import (
     product_dtype,
     product_rows,
 )
-from tests.test_eagle3 import layer_dir
+from tests.test_eagle3 import AUX, layer_dir
 from tests.test_heads import random_heads_dir
 
 LOW_PRECISION = ["bfloat16", "int8", "int4"]
@@ -193,18 +193,27 @@ def test_a_pass_past_the_key_block_has_no_blocked_layout() -> None:
 def test_greedy_speculative_output_is_plain_decoding_in_low_precision(
     models: dict[str, LoadedModel], tmp_path: Path, dtype: str, drafter: str, tree: str
 ) -> None:
-    loaded = models[dtype]
+    assert_speculation_is_plain_decoding(models[dtype], tmp_path, drafter, tree, max_new_tokens=80)
+
+
+def assert_speculation_is_plain_decoding(
+    loaded: LoadedModel, tmp_path: Path, drafter: str, tree: str, max_new_tokens: int
+) -> None:
+    """Greedy output of ``drafter`` with ``tree`` (random heads or layer where it needs one) equals plain
+    decoding's on PROMPTS, token for token, and it really speculated."""
     plain = load(loaded=loaded, drafter="none", calibrate=False)
     options: dict[str, object] = {"draft_layers": 2}
     if drafter in ("markov", "medusa"):
         options["heads"] = str(random_heads_dir(loaded, drafter, tmp_path / drafter))
-    if drafter == "eagle3":
-        options["heads"] = str(layer_dir(loaded, tmp_path / drafter))
+    if drafter == "eagle3":  # a compiled target's graphs return its default feature layers (check_graph_features)
+        backend = backend_of(loaded)
+        aux_layers = backend.graph_aux_layers if backend.compiled else AUX
+        options["heads"] = str(layer_dir(loaded, tmp_path / drafter, aux_layers=aux_layers))
     spec = load(loaded=loaded, drafter=drafter, tree=tree, calibrate=False, fallback=False, **options)  # type: ignore[arg-type]
     drafted = 0
     for prompt in PROMPTS:
-        expected = plain.generate(prompt, max_new_tokens=80).token_ids
-        result = spec.generate(prompt, max_new_tokens=80)
+        expected = plain.generate(prompt, max_new_tokens=max_new_tokens).token_ids
+        result = spec.generate(prompt, max_new_tokens=max_new_tokens)
         assert result.token_ids == expected, (prompt, drafter, tree)
         drafted += sum(step.nodes - 1 for step in result.stats.steps)
     assert drafted > 0  # it really speculated
@@ -311,22 +320,7 @@ def test_greedy_speculative_output_is_plain_decoding_through_onednn_graphs(
 ) -> None:
     """bf16 compiled through oneDNN's frozen graphs while eager passes (prompts, the self-draft's layers) run
     through the kernel: speculative output is still plain decoding's, token for token."""
-    loaded = bf16_twin_compiled
-    plain = load(loaded=loaded, drafter="none", calibrate=False)
-    options: dict[str, object] = {"draft_layers": 2}
-    if drafter in ("markov", "medusa"):
-        options["heads"] = str(random_heads_dir(loaded, drafter, tmp_path / drafter))
-    if drafter == "eagle3":  # features of the layers the graphs return (check_graph_features)
-        aux_layers = backend_of(loaded).graph_aux_layers
-        options["heads"] = str(layer_dir(loaded, tmp_path / drafter, aux_layers=aux_layers))
-    spec = load(loaded=loaded, drafter=drafter, tree=tree, calibrate=False, fallback=False, **options)  # type: ignore[arg-type]
-    drafted = 0
-    for prompt in PROMPTS:
-        expected = plain.generate(prompt, max_new_tokens=60).token_ids
-        result = spec.generate(prompt, max_new_tokens=60)
-        assert result.token_ids == expected, (prompt, drafter, tree)
-        drafted += sum(step.nodes - 1 for step in result.stats.steps)
-    assert drafted > 0
+    assert_speculation_is_plain_decoding(bf16_twin_compiled, tmp_path, drafter, tree, max_new_tokens=60)
 
 
 def test_within_depth_keeps_a_tree_of_the_shallow_nodes() -> None:

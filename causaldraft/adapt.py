@@ -139,6 +139,23 @@ def plausible_calibration(seconds: dict[int, float]) -> bool:
     return all(seconds[larger] >= CALIBRATION_SLACK * seconds[smaller] for smaller, larger in pairs)
 
 
+STALE_CALIBRATION = 1.5  # a kept calibration whose smallest pass now takes this factor more or less is timed again
+
+
+def calibration_holds(kept: dict[int, float], now: VerifyCost) -> bool:
+    """Whether a kept calibration still describes this machine: its smallest pass, timed again ``now``
+    (``measure_verify_cost`` with ``max_nodes=1``), within ``STALE_CALIBRATION`` of the kept time either way.
+    The decode loop refines only the sizes it runs, so a calibration timed while the machine was busy kept
+    bigger trees looking dear for good: int4, kept {1: 19.9, 2: 20.3, 4: 21.7, 8: 29.3} ms against 5.6 for one
+    row, and lookup verified trees of at most 2 nodes for a whole run (stop 36).
+
+    Example: kept {1: 0.0199, 8: 0.0293} with 0.0056 now does not hold; with 0.0170 it does."""
+    size = min(now.seconds)
+    if size not in kept:
+        return False
+    return 1 / STALE_CALIBRATION <= now.seconds[size] / kept[size] <= STALE_CALIBRATION
+
+
 def measure_verify_cost(
     backend: Backend, max_nodes: int, context: int = 128, repeats: int = 5, aux_layers: tuple[int, ...] = ()
 ) -> VerifyCost:

@@ -16,7 +16,7 @@ from causaldraft.batch import Batch, generate_batch
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import bf16_choice, int4_kernel
 from causaldraft.models.blocked import KEY_BLOCK, pass_room
-from causaldraft.models.compiled import GraphKey, GraphStore, compile_batch, compile_model, graph_model
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_batch, compile_model, use_chosen_bf16_products
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, SequencePass, default_aux_layers
 from causaldraft.models.products import native_bf16_products
@@ -70,20 +70,21 @@ def test_eager_batch_rows_equal_each_sequences_own_pass(models: dict[str, Loaded
     assert_batch_rows_match_own_passes(backend_of(models[dtype]), pool_size=4)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16-twin", pytest.param("int4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16-chosen", pytest.param("int4", marks=pytest.mark.slow)])
 def test_compiled_batch_rows_equal_each_sequences_own_pass(
     tiny_llama_dir: Path, graph_root: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The batch graph (4 sequences) against the one-sequence graphs; "bfloat16-twin": both through oneDNN's
-    frozen products, traced from the model's twin (models/bf16_choice.py)."""
-    if dtype == "bfloat16-twin":
+    """The batch graph (4 sequences) against the one-sequence graphs; "bfloat16-chosen": both through oneDNN's
+    frozen products where chosen over the kernel (models/bf16_choice.py)."""
+    if dtype == "bfloat16-chosen":
         if not (native_bf16_products() and int4_kernel.bf16_available()):
             pytest.skip("needs oneDNN's bf16 products and causaldraft's bf16 kernel")
         monkeypatch.setenv(bf16_choice.SWITCH, bf16_choice.ONEDNN)
     backend = backend_of(load_model(str(tiny_llama_dir), "native", dtype.partition("-")[0]))
     layers = default_aux_layers(backend.llama_shape.num_layers)
     buckets = (1, 16) if backend.quantized else (2, 16)  # test_exact's, so the session builds them once
-    store = GraphStore(GraphKey.of(graph_model(backend), layers), graph_root)
+    use_chosen_bf16_products(backend)
+    store = GraphStore(GraphKey.of(backend, layers), graph_root)
     compile_model(backend, buckets=buckets, store=store, progress=False)
     compile_batch(backend, 4, progress=False, buckets=(2,) if backend.quantized else (4,))
     assert backend.batch_graphs and backend.batch_sequences == 4

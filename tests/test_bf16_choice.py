@@ -1,5 +1,5 @@
 """The choice between causaldraft's bf16 kernel and oneDNN's frozen products for a compiled bf16 model's
-layers (models/bf16_choice.py), and the twin with plain linears that oneDNN's graphs are traced from."""
+layers (models/bf16_choice.py), and the swap to plain linears that oneDNN's graphs are traced from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import bf16_choice, int4_kernel
@@ -17,13 +16,13 @@ from causaldraft.models.compiled import (
     GraphStore,
     compile_model,
     frozen_weights,
-    graph_model,
     kernel_products,
+    use_chosen_bf16_products,
 )
 from causaldraft.models.loading import load_model
-from causaldraft.models.native import NativeLlama, default_aux_layers
+from causaldraft.models.native import Linear, NativeLlama, default_aux_layers
 from causaldraft.models.products import native_bf16_products
-from causaldraft.models.quant import Bf16BlockLinear, has_block_linears, with_plain_linears
+from causaldraft.models.quant import Bf16BlockLinear, has_block_linears, use_plain_linears
 
 needs_both = pytest.mark.skipif(
     not (native_bf16_products() and int4_kernel.bf16_available()),
@@ -104,33 +103,31 @@ def test_the_probe_times_both_products(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_both
-def test_the_twin_computes_torch_s_product_of_the_same_numbers_and_leaves_the_model_alone(tiny_llama_dir: Path) -> None:
+def test_plain_linears_compute_torch_s_product_of_the_same_numbers(tiny_llama_dir: Path) -> None:
     model = bf16_native(tiny_llama_dir)
-    assert has_block_linears(model)
-    twin = with_plain_linears(model)
-    assert not has_block_linears(twin) and has_block_linears(model)  # the model keeps its kernel linears
-    assert twin.embed_tokens is model.embed_tokens and twin.lm_head is model.lm_head and twin.norm is model.norm
-    blocks = [m for m in model.layers.modules() if isinstance(m, Bf16BlockLinear)]
-    plains = [m for m in twin.layers.modules() if isinstance(m, nn.Linear)]
-    assert len(blocks) == len(plains) > 0
-    for block, plain in zip(blocks, plains, strict=True):
-        assert plain.weight.dtype == torch.bfloat16 and torch.equal(plain.weight, block.weight)
-        assert not plain.weight.requires_grad
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, Bf16BlockLinear)]
+    assert blocks and use_plain_linears(model) and not has_block_linears(model)
+    assert not use_plain_linears(model)  # nothing left to replace
+    modules = dict(model.named_modules())
+    for name, block in blocks:
+        plain = modules[name]
+        assert isinstance(plain, Linear) and plain.weight.dtype == torch.bfloat16
+        assert torch.equal(plain.weight, block.weight) and not plain.weight.requires_grad
         x = torch.randn(3, block.in_features).to(torch.bfloat16)
         assert torch.allclose(plain(x).float(), block(x).float(), rtol=2e-2, atol=1e-3)  # bf16 rounding apart
 
 
 @needs_both
-def test_graphs_are_traced_from_the_twin_only_where_onednn_is_chosen(
+def test_the_model_swaps_its_linears_only_where_onednn_is_chosen(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = bf16_native(tiny_llama_dir)
-    assert graph_model(model) is model  # conftest: kernel
+    use_chosen_bf16_products(model)  # conftest: kernel
+    assert has_block_linears(model) and kernel_products(model)
     monkeypatch.setenv(bf16_choice.SWITCH, "onednn")
-    traced = graph_model(model)
-    assert traced is not model and frozen_weights(traced) and not kernel_products(traced)
-    layers = default_aux_layers(model.llama_shape.num_layers)
-    assert GraphKey.of(traced, layers).weights and not GraphKey.of(model, layers).weights
+    use_chosen_bf16_products(model)
+    assert not has_block_linears(model) and frozen_weights(model) and not kernel_products(model)
+    assert GraphKey.of(model, default_aux_layers(model.llama_shape.num_layers)).weights
 
 
 @needs_both
@@ -140,5 +137,5 @@ def test_a_store_for_other_graphs_is_refused(
     model = bf16_native(tiny_llama_dir)
     key = GraphKey.of(model, default_aux_layers(model.llama_shape.num_layers))  # the kernel's graphs
     monkeypatch.setenv(bf16_choice.SWITCH, "onednn")
-    with pytest.raises(CausalDraftError, match="graph_model"):
+    with pytest.raises(CausalDraftError, match="use_chosen_bf16_products"):
         compile_model(model, buckets=(2,), store=GraphStore(key, graph_root), progress=False)

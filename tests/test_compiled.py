@@ -124,10 +124,17 @@ def test_the_verify_cost_is_measured_once_per_set_of_graphs(tiny_llama_dir: Path
     name = calibration_name("max_nodes=8", (), backend)  # e.g. "v3 max_nodes=8 aux_layers=[] head=Linear"
     assert name.endswith(f"max_nodes=8 aux_layers=[] head={type(backend.lm_head).__name__}")
     assert {int(k): v for k, v in saved[name].items()} == measured.seconds
-    saved[name] = {"1": 0.5, "4": 0.75}
+    kept = {1: measured.seconds[1], 4: 2 * measured.seconds[4]}  # one row as timed: the kept calibration holds
+    saved[name] = {str(size): seconds for size, seconds in kept.items()}
     path.write_text(json.dumps(saved))
-    assert verify_cost(backend, 8, ()).seconds == {1: 0.5, 4: 0.75}  # read, not timed again
-    assert verify_cost(backend, 8, (), remeasure=True).seconds[1] < 0.5
+    assert verify_cost(backend, 8, ()).seconds == kept  # read, not timed again
+    assert verify_cost(backend, 8, (), remeasure=True).seconds[4] < kept[4]
+    # a kept calibration timed while the machine was busy (one row 10x slower than now) is timed again, and kept
+    saved[name] = {"1": 10 * measured.seconds[1], "4": 10 * measured.seconds[4]}
+    path.write_text(json.dumps(saved))
+    fresh = verify_cost(backend, 8, ())
+    assert fresh.seconds[1] < 5 * measured.seconds[1]
+    assert json.loads(path.read_text())[name]["1"] == fresh.seconds[1]
 
 
 def test_auto_dtype_is_int4_only_for_a_model_converted_from_a_4bit_gguf(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from causaldraft.api import load
 from causaldraft.cache import KVCache
 from causaldraft.models import attention_kernel, bf16_choice, int4_kernel
 from causaldraft.models.blocked import KEY_BLOCK, blocked_keys, pass_room
-from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, graph_model, kernel_products
+from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, kernel_products, use_chosen_bf16_products
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.models.products import (
@@ -115,26 +115,26 @@ def test_eager_tree_rows_equal_one_row_passes_in_torch_ops(
         assert_rows_match_one_row_passes(backend, prefix, layers)
 
 
-@pytest.mark.parametrize("dtype", [*LOW_PRECISION, "bfloat16-onednn", "bfloat16-twin"])
+@pytest.mark.parametrize("dtype", [*LOW_PRECISION, "bfloat16-onednn", "bfloat16-chosen"])
 def test_compiled_tree_rows_equal_one_row_passes(
     tiny_llama_dir: Path, graph_root: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The one-row pass and the tree pass run different compiled graphs (buckets). bf16 layers run through
     causaldraft's bf16 kernel where it is built (a one-row graph), else through oneDNN with their weights
     frozen into the graphs (no one-row graph): "bfloat16-onednn" turns the kernels off to cover that, and
-    "bfloat16-twin" has the kernel but chooses oneDNN's graphs (traced from the twin, models/bf16_choice.py)."""
+    "bfloat16-chosen" has the kernel but chooses oneDNN (its linears swapped for plain ones, models/bf16_choice.py)."""
     if dtype == "bfloat16-onednn":
         monkeypatch.setenv(int4_kernel.SWITCH, "torch")
-    if dtype == "bfloat16-twin":
+    if dtype == "bfloat16-chosen":
         if not (native_bf16_products() and int4_kernel.bf16_available()):
             pytest.skip("needs oneDNN's bf16 products and causaldraft's bf16 kernel")
         monkeypatch.setenv(bf16_choice.SWITCH, bf16_choice.ONEDNN)
     loaded = load_model(str(tiny_llama_dir), "native", dtype.partition("-")[0])
     backend = backend_of(loaded)
     layers = default_aux_layers(backend.llama_shape.num_layers)
-    traced = graph_model(backend)
-    buckets = (1, 16) if kernel_products(traced) else (2, 16)
-    compile_model(backend, buckets=buckets, store=GraphStore(GraphKey.of(traced, layers), graph_root), progress=False)
+    use_chosen_bf16_products(backend)
+    buckets = (1, 16) if kernel_products(backend) else (2, 16)
+    compile_model(backend, buckets=buckets, store=GraphStore(GraphKey.of(backend, layers), graph_root), progress=False)
     for prefix in PREFIXES:
         assert_rows_match_one_row_passes(backend, prefix, layers)
 
@@ -264,7 +264,7 @@ def test_default_model_bf16_graphs_are_row_invariant(
     """The first four layers of the default model (its real shapes: in_features 576 and 1536) in bf16
     graphs: through causaldraft's bf16 kernel (buckets of 1 and 16 rows), and through oneDNN with the
     weights frozen into the graphs, reordered (models/compiled.py; buckets of 2 and 16 rows): where the
-    kernel is built, traced from the model's twin with plain linears, as where oneDNN is measured faster."""
+    kernel is built, its linears swapped for plain ones, as where oneDNN is measured faster."""
     if products == "onednn":
         monkeypatch.setenv(bf16_choice.SWITCH, bf16_choice.ONEDNN)
         if not native_bf16_products():
@@ -272,10 +272,9 @@ def test_default_model_bf16_graphs_are_row_invariant(
     full = backend_of(load_model("default", "native", "bfloat16"))
     backend = full.truncated(4)
     layers = default_aux_layers(backend.llama_shape.num_layers)
-    key = GraphKey.of(graph_model(backend), layers)
-    assert bool(key.weights) == (products == "onednn") and kernel_products(graph_model(backend)) == (
-        products == "kernel"
-    )
+    use_chosen_bf16_products(backend)
+    key = GraphKey.of(backend, layers)
+    assert bool(key.weights) == (products == "onednn") and kernel_products(backend) == (products == "kernel")
     buckets = (1, 16) if products == "kernel" else (2, 16)
     compile_model(backend, buckets=buckets, store=GraphStore(key, graph_root), progress=False)
     for prefix in PREFIXES:
@@ -298,16 +297,16 @@ def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
 
 
 @pytest.fixture(scope="module")
-def bf16_twin_compiled(tiny_llama_dir: Path, graph_root: Path) -> LoadedModel:
-    """The tiny Llama in bf16 with its kernel linears, compiled through oneDNN's frozen products (its twin)."""
+def bf16_onednn_compiled(tiny_llama_dir: Path, graph_root: Path) -> LoadedModel:
+    """The tiny Llama in bf16 loaded with its kernel linears, compiled where oneDNN was chosen: plain linears."""
     if not (native_bf16_products() and int4_kernel.bf16_available()):
         pytest.skip("needs oneDNN's bf16 products and causaldraft's bf16 kernel")
     loaded = load_model(str(tiny_llama_dir), "native", "bfloat16")
     backend = backend_of(loaded)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(bf16_choice.SWITCH, bf16_choice.ONEDNN)
-        traced = graph_model(backend)
-        store = GraphStore(GraphKey.of(traced, default_aux_layers(backend.llama_shape.num_layers)), graph_root)
+        use_chosen_bf16_products(backend)
+        store = GraphStore(GraphKey.of(backend, default_aux_layers(backend.llama_shape.num_layers)), graph_root)
         compile_model(backend, buckets=(2, 4, 16), store=store, progress=False)
     assert store.key.weights and backend.buckets == (2, 4, 16)
     return loaded
@@ -316,11 +315,11 @@ def bf16_twin_compiled(tiny_llama_dir: Path, graph_root: Path) -> LoadedModel:
 @pytest.mark.parametrize("drafter", ["lookup", "draft", "markov", "medusa", "eagle3"])
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
 def test_greedy_speculative_output_is_plain_decoding_through_onednn_graphs(
-    bf16_twin_compiled: LoadedModel, tmp_path: Path, drafter: str, tree: str
+    bf16_onednn_compiled: LoadedModel, tmp_path: Path, drafter: str, tree: str
 ) -> None:
-    """bf16 compiled through oneDNN's frozen graphs while eager passes (prompts, the self-draft's layers) run
-    through the kernel: speculative output is still plain decoding's, token for token."""
-    assert_speculation_is_plain_decoding(bf16_twin_compiled, tmp_path, drafter, tree, max_new_tokens=60)
+    """bf16 loaded with causaldraft's kernel and compiled where oneDNN was chosen (its linears swapped for plain
+    ones, graphs and eager passes alike through oneDNN): speculative output is still plain decoding's."""
+    assert_speculation_is_plain_decoding(bf16_onednn_compiled, tmp_path, drafter, tree, max_new_tokens=60)
 
 
 def test_within_depth_keeps_a_tree_of_the_shallow_nodes() -> None:

@@ -19,13 +19,15 @@ is below ``MARGIN`` of the kernel's. Both are exact products of bf16 numbers wit
 orders), so the choice changes speed, not accuracy. ``CAUSALDRAFT_BF16_PRODUCTS=kernel`` (or ``onednn``)
 skips the timing.
 
-What oneDNN changes (``compiled.graph_model``): the graphs are traced from a twin of the model whose layer
-linears are plain ``nn.Linear`` over the same numbers, frozen in. oneDNN rounds a one-row product
-differently from its products of two or more rows, so such graphs have no one-row bucket (a plain step runs
-as two rows, one of them padding) and plain decoding costs a little more per token, while every speculative
-step costs less. The model itself keeps its kernel linears for what runs eagerly (long prompts, passes
-over other layers' features, the self-draft's first layers), which every method shares, so decoding stays
-token-identical to plain decoding either way (docs/exactness.md).
+What oneDNN changes (``compiled.use_chosen_bf16_products``, the first thing ``compile_model`` does): the model's
+kernel linears become its plain linears over the same numbers (``quant.use_plain_linears``), so the graphs freeze
+the weights for oneDNN and long prompts, read eagerly, run oneDNN's products too: on AMX they cost a fraction of
+the kernel's (a first version kept the kernel for eager passes and lost ~10 % of every method's speed to prompts).
+oneDNN rounds a one-row product differently from its products of two or more rows, so such graphs have no one-row
+bucket: a plain step runs as two rows, one of them padding, and plain decoding costs a little more per token.
+Every speculative step costs less, and with deeper trees (``adapt.dynamic_depth``) bf16 speculation gained
+15-22 % here (docs/int4-kernel.md). Eager passes of few rows (the self-draft's layers) then reorder the weights
+on every call, as bf16 models did before stop 33.
 """
 
 from __future__ import annotations

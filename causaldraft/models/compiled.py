@@ -183,14 +183,13 @@ class GraphKey:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
 
 
-def graph_model(model: NativeLlama) -> NativeLlama:
-    """The model the graphs are traced from: ``model``, or, for a bf16 model whose layers run through
-    causaldraft's kernel on a CPU where oneDNN's reordered products were measured faster
-    (``bf16_choice.layer_products``), its twin with plain linears over the same numbers, whose weights
-    the graphs freeze (``quant.with_plain_linears``). ``model`` keeps its kernel linears for eager passes."""
-    if model.quantized or not quant.has_block_linears(model) or bf16_choice.layer_products() != bf16_choice.ONEDNN:
-        return model
-    return quant.with_plain_linears(model)
+def use_chosen_bf16_products(model: NativeLlama) -> None:
+    """A bf16 model whose layers run through causaldraft's kernel, on a CPU where oneDNN's reordered products were
+    timed faster (``bf16_choice.layer_products``): its layer linears become plain ``nn.Linear`` over the same numbers
+    (``quant.use_plain_linears``, in place), so the graphs freeze their weights for oneDNN and eager passes (long
+    prompts) run oneDNN's products too. Nothing changes otherwise. ``compile_model`` calls it first."""
+    if not model.quantized and quant.has_block_linears(model) and bf16_choice.layer_products() == bf16_choice.ONEDNN:
+        quant.use_plain_linears(model)
 
 
 def compile_model(
@@ -206,21 +205,21 @@ def compile_model(
     attention span is dynamic, so one graph per bucket serves every cache length. Graphs always
     return the inputs of ``default_aux_layers``, so plain decoding and feature drafters share them.
     Measured here, int4, 1 row: eager 32 ms, torch.compile 15 ms, these graphs 9 ms.
-    A given ``store``'s key must be ``GraphKey.of(graph_model(model), ...)``."""
-    traced = graph_model(model)
+    A given ``store``'s key must be that of the model after ``use_chosen_bf16_products``."""
+    use_chosen_bf16_products(model)
     if buckets is None:
         buckets = QUANTIZED_BUCKETS if model.quantized else COMPILE_BUCKETS
-        if not model.quantized and kernel_products(traced):
+        if not model.quantized and kernel_products(model):
             buckets = (1, *buckets)  # row-invariant linears from one row: a one-row plain step pads nothing
         if model.llama_shape.num_heads == model.llama_shape.kv_heads:
             buckets = tuple(size for size in buckets if size > 1)  # one query row per kv head: see COMPILE_BUCKETS
     buckets = tuple(sorted(buckets))
     aux_layers = default_aux_layers(model.llama_shape.num_layers)
-    store = store or GraphStore(GraphKey.of(traced, aux_layers))
-    if bool(store.key.weights) != frozen_weights(traced):
-        raise CausalDraftError("the graph store's key is not that of the traced model (compiled.graph_model)")
-    weights = graph_inputs(traced, store.key)
-    packages = store.load_or_build(traced, buckets, progress)
+    store = store or GraphStore(GraphKey.of(model, aux_layers))
+    if bool(store.key.weights) != frozen_weights(model):
+        raise CausalDraftError("the graph store's key is not the model's (compiled.use_chosen_bf16_products)")
+    weights = graph_inputs(model, store.key)
+    packages = store.load_or_build(model, buckets, progress)
     model.graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
                     for bucket, package in packages.items()}  # fmt: skip
     model.graph_store = store
@@ -238,9 +237,8 @@ def compile_batch(
     if not isinstance(store, GraphStore):
         raise CausalDraftError("compile the model (compile_model) before its batch graphs")
     buckets = tuple(sorted(buckets or batch_row_buckets(model)))
-    traced = graph_model(model)
-    packages = store.load_or_build(traced, buckets, progress, sequences)
-    weights = graph_inputs(traced, store.key)
+    packages = store.load_or_build(model, buckets, progress, sequences)
+    weights = graph_inputs(model, store.key)
     model.batch_graphs = {bucket: BoundGraph(package, weights, model.llama_shape.num_layers)
                           for bucket, package in packages.items()}  # fmt: skip
     model.batch_sequences = sequences

@@ -310,21 +310,16 @@ class NativeLlama(nn.Module):
             raise CausalDraftError(
                 f"self-draft layers must be in [1, {self.llama_shape.num_layers - 1}], got {num_layers}"
             )
-        return self.sharing(list(self.layers)[:num_layers])
-
-    def sharing(self, layers: list[nn.Module]) -> NativeLlama:
-        """A model of ``layers`` (this model's or others of the same shape) with this model's embedding, final
-        norm, LM head and rope: shared, not copied. No graphs: they belong to the model compiled."""
-        shape = replace(self.llama_shape, num_layers=len(layers))
+        shape = replace(self.llama_shape, num_layers=num_layers)
         with torch.device("meta"):
-            model = NativeLlama(shape, torch.empty(0), self.rope_scaling)
-        model.embed_tokens = self.embed_tokens
-        model.layers = nn.ModuleList(layers)
-        model.norm = self.norm
-        model.lm_head = self.lm_head
-        model.inv_freq = self.inv_freq
-        model.quantized = self.quantized
-        return model.eval()
+            draft = NativeLlama(shape, torch.empty(0), self.rope_scaling)
+        draft.embed_tokens = self.embed_tokens
+        draft.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        draft.norm = self.norm
+        draft.lm_head = self.lm_head
+        draft.inv_freq = self.inv_freq
+        draft.quantized = self.quantized
+        return draft.eval()
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, hd/2]

@@ -24,18 +24,16 @@ through ``gguf_q4``); this module holds the formats and the modules only.
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import int4_kernel
-from causaldraft.models.native import FUSED_PROJECTIONS, NativeLlama
+from causaldraft.models.native import FUSED_PROJECTIONS, Linear, NativeLlama
 
 GROUP_SIZE = 32
 INT4_OUT_MULTIPLE = 16  # the int4 packing kernel needs out_features % 16 == 0
@@ -244,23 +242,24 @@ def use_block_linears(model: NativeLlama, head: bool = True) -> bool:
     return True
 
 
-def with_plain_linears(model: NativeLlama) -> NativeLlama:
-    """A twin of ``model`` whose layers' ``Bf16BlockLinear`` are ``nn.Linear`` over the same bf16 numbers
-    (what compiled graphs freeze for oneDNN, ``compiled.graph_model``); the embedding, norms' values, final
-    norm and LM head are ``model``'s. ``model`` is unchanged."""
-    layers = []
-    for layer in model.layers:
-        # deepcopy's memo hands out the plain linears in place of the kernel's (their packed weights are not copied)
-        memo: dict[int, Any] = {
-            id(block): plain_linear(block) for block in layer.modules() if isinstance(block, Bf16BlockLinear)
-        }
-        layers.append(copy.deepcopy(layer, memo))
-    return model.sharing(layers)
+def use_plain_linears(model: nn.Module) -> bool:
+    """Replace the model's ``Bf16BlockLinear`` by its own ``native.Linear`` over the same bf16 numbers
+    (``use_block_linears``'s inverse: the layers then run through torch's products, oneDNN's where it takes bf16
+    weights); False where there was none."""
+    modules = dict(model.named_modules())
+    names = [name for name, module in modules.items() if isinstance(module, Bf16BlockLinear)]
+    for name in names:
+        block = modules[name]
+        assert isinstance(block, Bf16BlockLinear)
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, attribute, plain_linear(block))
+    return bool(names)
 
 
-def plain_linear(block: Bf16BlockLinear) -> nn.Linear:
-    """The ``nn.Linear`` computing ``block``'s product with torch's kernels (the weight unpacked: a copy)."""
-    linear = nn.Linear(block.in_features, block.out_features, bias=block.bias is not None, device="meta")
+def plain_linear(block: Bf16BlockLinear) -> Linear:
+    """The model's own linear (``native.Linear``) computing ``block``'s product with torch's kernels (the weight
+    unpacked: a copy)."""
+    linear = Linear(block.in_features, block.out_features, bias=block.bias is not None, device="meta")
     linear.weight = nn.Parameter(block.weight.contiguous(), requires_grad=False)
     if block.bias is not None:
         linear.bias = nn.Parameter(block.bias.clone(), requires_grad=False)

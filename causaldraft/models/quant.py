@@ -246,14 +246,10 @@ def use_plain_linears(model: nn.Module) -> bool:
     """Replace the model's ``Bf16BlockLinear`` by its own ``native.Linear`` over the same bf16 numbers
     (``use_block_linears``'s inverse: the layers then run through torch's products, oneDNN's where it takes bf16
     weights); False where there was none."""
-    modules = dict(model.named_modules())
-    names = [name for name, module in modules.items() if isinstance(module, Bf16BlockLinear)]
-    for name in names:
-        block = modules[name]
-        assert isinstance(block, Bf16BlockLinear)
-        parent_name, _, attribute = name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else model, attribute, plain_linear(block))
-    return bool(names)
+    blocks = [(name, module) for name, module in model.named_modules() if isinstance(module, Bf16BlockLinear)]
+    for name, block in blocks:
+        model.set_submodule(name, plain_linear(block))
+    return bool(blocks)
 
 
 def plain_linear(block: Bf16BlockLinear) -> Linear:

@@ -143,21 +143,27 @@ STALE_CALIBRATION = 1.5  # a kept calibration whose smallest pass now takes this
 
 
 def calibration_holds(kept: dict[int, float], now: VerifyCost) -> bool:
-    """Whether a kept calibration still describes this machine: its smallest pass, timed again ``now``
-    (``measure_verify_cost`` with ``max_nodes=1``), within ``STALE_CALIBRATION`` of the kept time either way.
-    The decode loop refines only the sizes it runs, so a calibration timed while the machine was busy kept
+    """Whether a kept calibration still describes this machine: each size timed again ``now`` (its smallest and
+    its largest pass: ``measure_verify_cost`` with ``sizes``) within ``STALE_CALIBRATION`` of the kept time either
+    way. The decode loop refines only the sizes it runs, so a calibration timed while the machine was busy kept
     bigger trees looking dear for good: int4, kept {1: 19.9, 2: 20.3, 4: 21.7, 8: 29.3} ms against 5.6 for one
-    row, and lookup verified trees of at most 2 nodes for a whole run (stop 36).
+    row, and lookup verified trees of at most 2 nodes for a whole run (stop 36). The largest is checked as well,
+    for a slowdown that hit only bigger passes.
 
-    Example: kept {1: 0.0199, 8: 0.0293} with 0.0056 now does not hold; with 0.0170 it does."""
-    size = min(now.seconds)
-    if size not in kept:
+    Example: kept {1: 0.0199, 8: 0.0293} with {1: 0.0056, 8: 0.0100} now does not hold; with {1: 0.0170, 8: 0.0250}
+    it does, and with {1: 0.0199, 8: 0.0100} it does not."""
+    if not now.seconds or any(size not in kept for size in now.seconds):
         return False
-    return 1 / STALE_CALIBRATION <= now.seconds[size] / kept[size] <= STALE_CALIBRATION
+    return all(1 / STALE_CALIBRATION <= now.seconds[size] / kept[size] <= STALE_CALIBRATION for size in now.seconds)
 
 
 def measure_verify_cost(
-    backend: Backend, max_nodes: int, context: int = 128, repeats: int = 5, aux_layers: tuple[int, ...] = ()
+    backend: Backend,
+    max_nodes: int,
+    context: int = 128,
+    repeats: int = 5,
+    aux_layers: tuple[int, ...] = (),
+    sizes: tuple[int, ...] | None = None,
 ) -> VerifyCost:
     """Time target passes over n new tokens after a ``context``-token prefix (returning the
     drafter's ``aux_layers`` features, as the decode loop's passes do): a warm-up round, then
@@ -165,13 +171,15 @@ def measure_verify_cost(
     one size after another: the tree policy compares sizes, so what slows the machine for a while
     (another process, a busy memory bus) must weigh on all of them alike. Stop 27's calibrations
     (2 timings per size, one size at a time, the minimum) put a one-row int4 pass with eagle3's
-    features at 4.0 ms and one without them at 4.5 ms, the same graph's cost."""
+    features at 4.0 ms and one without them at 4.5 ms, the same graph's cost. ``sizes``: time only these
+    (``calibration_holds`` checks a kept calibration's smallest and largest)."""
     cache = backend.new_cache(context + max(CALIBRATION_SIZES) + 1)
     prefix = torch.zeros(context, dtype=torch.long)
     backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
     buckets = backend.buckets
     cost = VerifyCost(buckets=buckets)
-    sizes = sorted({cost.padded(size) for size in CALIBRATION_SIZES if size <= max(max_nodes, 1)})
+    chosen = sizes if sizes is not None else tuple(size for size in CALIBRATION_SIZES if size <= max(max_nodes, 1))
+    sizes = tuple(sorted({cost.padded(size) for size in chosen}))
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     inputs = {
         size: (torch.zeros(size, dtype=torch.long), torch.arange(context, context + size),

@@ -295,14 +295,15 @@ def check_graph_features(backend: Backend, drafter: str, feature_layers: tuple[i
 
 def verify_cost(backend: Backend, max_nodes: int, aux_layers: tuple[int, ...], remeasure: bool = False) -> VerifyCost:
     """The measured cost of verify passes. With compiled graphs it is measured once and kept
-    beside them (``remeasure`` times it again, as does a kept one whose smallest pass no longer takes
-    what it kept, ``calibration_holds``); the decode loop refines it from every step."""
+    beside them (``remeasure`` times it again, as does a kept one whose smallest or largest pass no longer
+    takes what it kept, ``calibration_holds``); the decode loop refines it from every step."""
     store = backend.calibration
     name = calibration_name(f"max_nodes={max_nodes}", aux_layers, backend)
     if store is not None and not remeasure:
         seconds = store.read_calibration(name)
         if seconds and plausible_calibration(seconds):
-            now = measure_verify_cost(backend, 1, repeats=3, aux_layers=aux_layers)
+            ends = (min(seconds), max(seconds))
+            now = measure_verify_cost(backend, max(ends), repeats=3, aux_layers=aux_layers, sizes=ends)
             if calibration_holds(seconds, now):
                 return VerifyCost(seconds, buckets=backend.buckets)
     cost = measure_verify_cost(backend, max_nodes, aux_layers=aux_layers)

@@ -214,11 +214,13 @@ def test_the_engine_deepens_only_a_default_dynamic_tree_and_only_from_measured_c
     assert causaldraft.load(directory, dtype="float32", drafter="lookup").decoder.tree.depth == 8
 
 
-def test_a_kept_calibration_holds_while_its_smallest_pass_takes_about_what_it_kept() -> None:
+def test_a_kept_calibration_holds_while_its_smallest_and_largest_passes_take_about_what_it_kept() -> None:
     from causaldraft.adapt import calibration_holds
 
     kept = {1: 0.0199, 2: 0.0203, 8: 0.0293}  # int4, timed while the machine was busy (stop 36)
-    assert not calibration_holds(kept, VerifyCost({1: 0.0056}))
-    assert calibration_holds(kept, VerifyCost({1: 0.0170}))
-    assert not calibration_holds(kept, VerifyCost({1: 0.0400}))  # now much slower: timed again too
+    assert not calibration_holds(kept, VerifyCost({1: 0.0056, 8: 0.0100}))
+    assert calibration_holds(kept, VerifyCost({1: 0.0170, 8: 0.0250}))
+    assert not calibration_holds(kept, VerifyCost({1: 0.0400, 8: 0.0500}))  # now much slower: timed again too
+    assert not calibration_holds(kept, VerifyCost({1: 0.0199, 8: 0.0100}))  # only the big passes were slow then
     assert not calibration_holds({2: 0.010}, VerifyCost({1: 0.010}))  # other sizes: no comparison
+    assert not calibration_holds(kept, VerifyCost({}))

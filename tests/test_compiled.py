@@ -124,11 +124,15 @@ def test_the_verify_cost_is_measured_once_per_set_of_graphs(tiny_llama_dir: Path
     name = calibration_name("max_nodes=8", (), backend)  # e.g. "v3 max_nodes=8 aux_layers=[] head=Linear"
     assert name.endswith(f"max_nodes=8 aux_layers=[] head={type(backend.lm_head).__name__}")
     assert {int(k): v for k, v in saved[name].items()} == measured.seconds
-    kept = {1: measured.seconds[1], 4: 2 * measured.seconds[4]}  # one row as timed: the kept calibration holds
+    kept = {1: measured.seconds[1], 4: 1.1 * measured.seconds[4]}  # about as timed: the kept calibration holds
     saved[name] = {str(size): seconds for size, seconds in kept.items()}
     path.write_text(json.dumps(saved))
     assert verify_cost(backend, 8, ()).seconds == kept  # read, not timed again
-    assert verify_cost(backend, 8, (), remeasure=True).seconds[4] < kept[4]
+    assert verify_cost(backend, 8, (), remeasure=True).seconds != kept
+    # only its largest pass 10x slower than now (the machine was busy for bigger passes): timed again
+    saved[name] = {"1": measured.seconds[1], "4": 10 * measured.seconds[4]}
+    path.write_text(json.dumps(saved))
+    assert verify_cost(backend, 8, ()).seconds[4] < 5 * measured.seconds[4]
     # a kept calibration timed while the machine was busy (one row 10x slower than now) is timed again, and kept
     saved[name] = {"1": 10 * measured.seconds[1], "4": 10 * measured.seconds[4]}
     path.write_text(json.dumps(saved))

@@ -18,7 +18,7 @@ from causaldraft.adapt import (
     VerifyCost,
     calibration_holds,
     calibration_name,
-    dynamic_depth,
+    flat_cost_tree,
     initial_adapt_state,
     measure_verify_cost,
     plausible_calibration,
@@ -345,8 +345,7 @@ def load(
     tree_config = config.tree_config
     if config.calibrate:
         cost = verify_cost(target.backend, tree_config.max_nodes, chosen.feature_layers)
-        if config.tree == "dynamic" and config.depth is None:
-            tree_config = replace(tree_config, depth=dynamic_depth(cost, tree_config.depth))
+        tree_config = flat_cost_tree(tree_config, cost, config.depth is not None, config.lookup_depth is not None)
     else:
         cost = VerifyCost({1: 1.0, 64: 1.0})
     eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()

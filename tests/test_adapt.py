@@ -8,11 +8,13 @@ import pytest
 
 from causaldraft.adapt import (
     FLAT_COST_DEPTH,
+    FLAT_COST_LOOKUP_DEPTH,
     BudgetPolicy,
     DepthGate,
     VerifyCost,
     choose_budget,
     dynamic_depth,
+    flat_cost_tree,
     initial_adapt_state,
     update_after_step,
 )
@@ -193,6 +195,13 @@ def test_dynamic_trees_go_deeper_where_verify_passes_cost_about_the_same_over_2_
     assert dynamic_depth(onednn_amx, 8) == FLAT_COST_DEPTH == 12
     assert dynamic_depth(kernel, 8) == 8
     assert dynamic_depth(onednn_amx, 16) == 16  # never shallower than asked
+    dynamic = TreeConfig(kind="dynamic", depth=8)
+    assert flat_cost_tree(dynamic, onednn_amx, False, False) == replace(dynamic, depth=12, lookup_depth=24)
+    assert flat_cost_tree(dynamic, kernel, False, False) == dynamic
+    assert flat_cost_tree(replace(dynamic, depth=30), onednn_amx, True, False).lookup_depth == 30  # never below depth
+    assert flat_cost_tree(replace(dynamic, lookup_depth=10), onednn_amx, False, True).lookup_depth == 10  # as set
+    static = TreeConfig(kind="static", depth=5)
+    assert flat_cost_tree(static, onednn_amx, False, False) == static
 
 
 def test_the_engine_deepens_only_a_default_dynamic_tree_and_only_from_measured_costs(
@@ -206,10 +215,13 @@ def test_the_engine_deepens_only_a_default_dynamic_tree_and_only_from_measured_c
     directory = str(tiny_llama_dir)
     deep = causaldraft.load(directory, dtype="float32", drafter="lookup")
     assert deep.decoder.tree.depth == FLAT_COST_DEPTH and deep.adapt.depth == FLAT_COST_DEPTH
+    assert deep.decoder.tree.lookup_depth == FLAT_COST_LOOKUP_DEPTH
+    assert causaldraft.load(directory, dtype="float32", drafter="lookup", lookup_depth=9).decoder.tree.lookup_depth == 9
     assert causaldraft.load(directory, dtype="float32", drafter="lookup", depth=6).decoder.tree.depth == 6
     assert causaldraft.load(directory, dtype="float32", drafter="lookup", tree="static").decoder.tree.depth == 5
     uncalibrated = causaldraft.load(directory, dtype="float32", drafter="lookup", calibrate=False)
     assert uncalibrated.decoder.tree.depth == 8  # no measured costs: the kind's default
+    assert uncalibrated.decoder.tree.lookup_depth is None
     monkeypatch.setattr(api, "verify_cost", lambda *args, **kwargs: VerifyCost({1: 0.010, 2: 0.011, 16: 0.030}))
     assert causaldraft.load(directory, dtype="float32", drafter="lookup").decoder.tree.depth == 8
 

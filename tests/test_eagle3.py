@@ -21,8 +21,8 @@ from causaldraft.adapt import DepthGate, VerifyCost, initial_adapt_state
 from causaldraft.api import load
 from causaldraft.cli import main
 from causaldraft.config import SamplingConfig, TreeConfig
-from causaldraft.drafters.base import Draft, DraftContext, StepResult
-from causaldraft.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
+from causaldraft.drafters.base import DraftContext
+from causaldraft.drafters.eagle3 import Eagle3Drafter, RootRecorder, load_eagle3_drafter, teacher_forced_rows
 from causaldraft.drafters.eagle3_model import (
     CONFIG_FILE,
     LINEARS,
@@ -215,34 +215,6 @@ def test_drafting_computes_exactly_what_training_unrolls(
             assert prob == pytest.approx(float(expected.max()), abs=1e-4), depth
 
 
-class RootRecorder:
-    """An eagle3 drafter that keeps, at each step it drafted from an up-to-date cache, the output of the row that
-    proposes the root's children (``root_out``), keyed by the length of the sequence at that step."""
-
-    def __init__(self, inner: Eagle3Drafter) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.feature_layers = inner.feature_layers
-        self.roots: dict[int, torch.Tensor] = {}
-
-    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
-        self.roots = {}
-        self.inner.start(prompt, features)
-
-    def propose(self, context: DraftContext) -> Draft:
-        draft = self.inner.propose(context)
-        caught_up = not self.inner.pending_tokens and self.inner.committed == len(context.tokens) - 1
-        if caught_up and self.inner.root_out is not None:
-            self.roots[len(context.tokens)] = self.inner.root_out.clone()
-        return draft
-
-    def observe(self, result: StepResult) -> None:
-        self.inner.observe(result)
-
-    def fork(self) -> RootRecorder:
-        return RootRecorder(self.inner.fork())
-
-
 @pytest.mark.parametrize("calibrate", [False, True])
 def test_decode_steps_draft_from_what_one_pass_over_the_output_gives(
     tiny: LoadedModel, tmp_path: Path, calibrate: bool
@@ -250,29 +222,20 @@ def test_decode_steps_draft_from_what_one_pass_over_the_output_gives(
     """The decode loop feeds the draft cache from verify passes (accepted paths, bonus tokens, fallback steps
     with ``calibrate``): at every step the row proposing the root's children must equal that row of one
     teacher-forced layer pass over prompt + output, with the features of one plain target pass (what training
-    sees). Stop 36's MT-bench replay found them equal; this keeps them so. Lookup merges make multi-token steps."""
+    sees). On the real model they were equal at every MT-bench step (stop 37, ``bench/eagle3_replay.py``); this
+    keeps them so. Lookup merges make multi-token steps."""
     directory = layer_dir(tiny, tmp_path / "eagle3")
     engine = load(loaded=tiny, drafter="eagle3", tree="chain", depth=3, heads=str(directory), calibrate=calibrate,
                   fallback=calibrate)  # fmt: skip
     recorder = RootRecorder(engine.decoder.drafter)  # type: ignore[arg-type]
     engine.decoder = dataclasses.replace(engine.decoder, drafter=recorder)
-    layer = recorder.inner.layer
     accepted = 0
     for prompt in PROMPTS:
         result = engine.generate(prompt, max_new_tokens=40)
         accepted = max(accepted, *(step.accepted for step in result.stats.steps))
         tokens = engine.encode(prompt) + result.token_ids
         length = len(tokens)
-        with torch.no_grad():
-            out = tiny.backend.forward(torch.tensor(tokens), torch.arange(length),
-                                       torch.ones(length, length, dtype=torch.bool).tril(),
-                                       tiny.backend.new_cache(length), aux_layers=layer.config.aux_layers)  # fmt: skip
-            assert out.aux is not None
-            rows = torch.arange(length - 1)
-            keys = torch.zeros(layer.config.kv_heads, length, layer.config.head_dim)
-            forced = layer.step(tiny.backend.embed(torch.tensor(tokens[1:])), layer.fc(out.aux[:-1]), rows,
-                                torch.ones(length - 1, length - 1, dtype=torch.bool).tril(), keys,
-                                torch.zeros_like(keys), rows)  # fmt: skip
+        forced = teacher_forced_rows(recorder.inner, tokens)
         checked = [n for n in recorder.roots if n <= length]
         assert len(checked) > 5
         for n in checked:  # the step with n tokens: root x_{n-1}, proposed by row n - 2

@@ -216,6 +216,54 @@ class Eagle3Drafter:
             self.lookup.observe(result)
 
 
+class RootRecorder:
+    """An eagle3 drafter that also keeps, at each step drafted from an up-to-date draft cache, the output of the
+    row that proposes the root's children (``root_out``), keyed by the sequence's length at that step: what the
+    decode loop fed the layer, to compare with ``teacher_forced_rows`` (tests, ``bench/eagle3_replay.py``)."""
+
+    def __init__(self, inner: Eagle3Drafter) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.feature_layers = inner.feature_layers
+        self.roots: dict[int, torch.Tensor] = {}  # sequence length n -> [h] output of draft row n - 2
+
+    def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
+        self.roots = {}
+        self.inner.start(prompt, features)
+
+    def propose(self, context: DraftContext) -> Draft:
+        draft = self.inner.propose(context)
+        caught_up = not self.inner.pending_tokens and self.inner.committed == len(context.tokens) - 1
+        if caught_up and self.inner.root_out is not None:
+            self.roots[len(context.tokens)] = self.inner.root_out.clone()
+        return draft
+
+    def observe(self, result: StepResult) -> None:
+        self.inner.observe(result)
+
+    def fork(self) -> RootRecorder:
+        return RootRecorder(self.inner.fork())
+
+
+def teacher_forced_rows(drafter: Eagle3Drafter, tokens: list[int]) -> torch.Tensor:
+    """The layer's outputs [len(tokens) - 1, h] over a whole sequence at once, as training computes them: one
+    plain target pass gives the features, and draft row p (token x_{p+1}, features of position p) predicts
+    x_{p+2}."""
+    layer, backend, length = drafter.layer, drafter.backend, len(tokens)
+    with torch.inference_mode():
+        out = backend.forward(torch.tensor(tokens), torch.arange(length),
+                              torch.ones(length, length, dtype=torch.bool).tril(), backend.new_cache(length),
+                              aux_layers=layer.config.aux_layers)  # fmt: skip
+        if out.aux is None:
+            raise CausalDraftError("the target returned no features for the eagle3 layer")
+        rows = torch.arange(length - 1)
+        keys = torch.zeros(layer.config.kv_heads, length, layer.config.head_dim, dtype=layer.dtype)
+        embeds = backend.embed(torch.tensor(tokens[1:])).to(layer.dtype)
+        causal = torch.ones(length - 1, length - 1, dtype=torch.bool).tril()
+        return layer.step(embeds, layer.fc(out.aux[:-1].to(layer.dtype)), rows, causal, keys,
+                          torch.zeros_like(keys), rows)  # fmt: skip
+
+
 def default_eagle3_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "heads" / "default" / "eagle3"
 

@@ -195,13 +195,13 @@ def measure_verify_cost(
     (2 timings per size, one size at a time, the minimum) put a one-row int4 pass with eagle3's
     features at 4.0 ms and one without them at 4.5 ms, the same graph's cost. ``sizes``: time only these
     (``calibration_holds`` checks a kept calibration's smallest and largest)."""
-    cache = backend.new_cache(context + max(CALIBRATION_SIZES) + 1)
-    prefix = torch.zeros(context, dtype=torch.long)
-    backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
     buckets = backend.buckets
     cost = VerifyCost(buckets=buckets)
     chosen = sizes if sizes is not None else tuple(size for size in CALIBRATION_SIZES if size <= max(max_nodes, 1))
     sizes = tuple(sorted({cost.padded(size) for size in chosen}))
+    cache = backend.new_cache(context + max(*CALIBRATION_SIZES, *sizes) + 1)
+    prefix = torch.zeros(context, dtype=torch.long)
+    backend.forward(prefix, torch.arange(context), torch.ones(context, context, dtype=torch.bool).tril(), cache)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     inputs = {
         size: (torch.zeros(size, dtype=torch.long), torch.arange(context, context + size),

@@ -13,11 +13,11 @@ Gumbel sampling at T > 0 (the draft guesses the very token the target samples).
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 
 import causaldraft
+from causaldraft.bench.prompts import read_questions
 
 
 def depth_rates(accepted: Counter[int], depth: int) -> list[tuple[float | None, int]]:
@@ -41,7 +41,7 @@ def main() -> int:
     parser.add_argument("--temperatures", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    questions = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines() if line.strip()]
+    questions = [question.turns[0] for question in read_questions(args.prompts)]
     engine = causaldraft.load(
         "default", dtype=args.dtype, compile=not args.no_compile, drafter=args.drafter, tree="chain",
         depth=args.depth, adapt=False, fallback=False, lookup_merge=False,

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
 import causaldraft
+from causaldraft.bench.prompts import read_questions
 from causaldraft.drafters.eagle3 import Eagle3Drafter, RootRecorder, teacher_forced_rows
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--heads", default=None, help="eagle3 directory (default: the shipped layer)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    questions = [json.loads(line)["turns"][0] for line in args.prompts.read_text().splitlines() if line.strip()]
+    questions = [question.turns[0] for question in read_questions(args.prompts)]
     engine = causaldraft.load(
         "default", dtype=args.dtype, compile=args.compile, drafter="eagle3", tree="chain", depth=args.depth,
         adapt=False, fallback=False, lookup_merge=False, heads=args.heads,

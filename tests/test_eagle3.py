@@ -33,6 +33,7 @@ from causaldraft.drafters.eagle3_model import (
     pack_linears,
     read_config,
     save_layer,
+    widen_vocabulary,
 )
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.registry import DrafterOptions
@@ -48,8 +49,10 @@ from causaldraft.train.eagle3_train import (
     draft_index,
     draft_vocabulary,
     evaluate_layer,
+    grown_vocabulary,
     load_sequences,
     make_batch,
+    token_counts,
     train_layer,
     ttt_outputs,
 )
@@ -496,6 +499,12 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     assert not torch.equal(tensors[0]["fc.weight"], tensors[1]["fc.weight"])  # it trained on
     checkpoints = sorted(path.name for path in (tmp_path / "work").glob("ckpt-eagle3-*.pt"))
     assert len(checkpoints) == 2 and any("-init" in name for name in checkpoints)
+    third_run = ["--epochs", "0.5", "--draft-vocab", "160", "--init", str(tmp_path / "second"),
+                 "--out", str(tmp_path / "third")]  # fmt: skip
+    assert main([*common, *third_run]) == 0  # a larger --draft-vocab than the init's grows it
+    third = load_file(str(tmp_path / "third" / WEIGHTS_FILE))
+    assert third["vocab_ids"].numel() == 160 == read_config(tmp_path / "third")[0].draft_vocab
+    assert bool(torch.isin(tensors[1]["vocab_ids"], third["vocab_ids"]).all())
     assert main([*common[:6], "markov", "--init", str(tmp_path / "first"), "--out", str(tmp_path / "m")]) != 0
     assert "--init applies to --heads eagle3 only" in capsys.readouterr().err
 
@@ -528,3 +537,34 @@ def test_calibrate_script_refits_a_layer_in_place(tiny_llama_dir: Path, tiny: Lo
     done = subprocess.run(missing, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1 and "calibrate_eagle3: no eagle3 drafter in" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_widened_vocabulary_keeps_the_trained_rows_and_starts_new_ones_from_the_target(tiny: LoadedModel) -> None:
+    layer = random_layer(tiny, draft_vocab=100)
+    lm_head = tiny.backend.lm_head_weight()
+    extra = torch.tensor([index for index in range(259) if index not in set(layer.vocab_ids.tolist())][:30])
+    wider = widen_vocabulary(layer, extra[torch.randperm(30)], lm_head)
+    assert wider.config.draft_vocab == 130 and bool((wider.vocab_ids.diff() > 0).all())
+    assert set(wider.vocab_ids.tolist()) == set(layer.vocab_ids.tolist()) | set(extra.tolist())
+    out = torch.randn(5, layer.config.hidden_size)
+    old, new = layer.logits(out), wider.logits(out)  # [5, 100], [5, 130]
+    kept = torch.isin(wider.vocab_ids, layer.vocab_ids)
+    torch.testing.assert_close(new[:, kept], old)  # the trained rows, in the same order
+    torch.testing.assert_close(wider.lm_head.weight[~kept], lm_head.float()[wider.vocab_ids[~kept]])
+    for name in ("fc.weight", "qkv_proj.weight", "norm.weight"):
+        assert torch.equal(wider.state_dict()[name], layer.state_dict()[name])
+    with pytest.raises(CausalDraftError, match="new and distinct"):
+        widen_vocabulary(layer, layer.vocab_ids[:2], lm_head)
+
+
+def test_a_vocabulary_grows_by_the_most_frequent_ids_it_lacks(generated: Path) -> None:
+    sequences = load_sequences(generated)
+    ranked = draft_vocabulary(sequences, 259, 259)
+    small = draft_vocabulary(sequences, 259, 20)
+    extra = grown_vocabulary(small, sequences, 259, 50)
+    assert extra.numel() == 30 and not bool(torch.isin(extra, small).any())
+    counts = token_counts(sequences, 259)
+    chosen = torch.zeros(259, dtype=torch.bool)
+    chosen[small], chosen[extra] = True, True
+    assert float(counts[extra].min()) >= float(counts[~chosen].max())  # no id left out is more frequent
+    assert ranked.numel() == 259 and grown_vocabulary(small, sequences, 259, 10).numel() == 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -178,6 +178,25 @@ def new_layer(config: Eagle3Config, vocab_ids: torch.Tensor, lm_head: torch.Tens
     with torch.no_grad():
         layer.lm_head.weight.copy_(lm_head.detach().float().index_select(0, vocab_ids.long()))
     return layer
+
+
+def widen_vocabulary(layer: Eagle3Layer, extra_ids: torch.Tensor, lm_head: torch.Tensor) -> Eagle3Layer:
+    """A copy of ``layer`` whose draft vocabulary also holds ``extra_ids`` (target ids not yet in it): the
+    trained output rows are kept, each new id's row starts as the target's LM-head row (as ``new_layer``
+    starts every row). Draft ids stay in target-id order.
+
+    Example: vocab_ids [3, 7] and extra [5] give [3, 5, 7] with output rows [W3, T5, W7] (W trained,
+    T the target's ``lm_head`` [vocab, hidden])."""
+    extra_ids = extra_ids.long()
+    if bool(torch.isin(extra_ids, layer.vocab_ids).any()) or extra_ids.unique().numel() != extra_ids.numel():
+        raise CausalDraftError("the ids added to an eagle3 draft vocabulary must be new and distinct")
+    vocab_ids, order = torch.cat((layer.vocab_ids, extra_ids)).sort()
+    rows = torch.cat((layer.lm_head.weight.detach().float(), lm_head.detach().float().index_select(0, extra_ids)))
+    config = replace(layer.config, draft_vocab=int(vocab_ids.numel()))
+    wider = Eagle3Layer(config, vocab_ids)
+    state = {name: value for name, value in layer.state_dict().items() if name != "lm_head.weight"}
+    wider.load_state_dict({**state, "lm_head.weight": rows.index_select(0, order)})
+    return wider.to(layer.dtype)
 
 
 LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")

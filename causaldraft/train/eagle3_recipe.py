@@ -23,6 +23,7 @@ from causaldraft.drafters.eagle3_model import (
     new_layer,
     read_config,
     save_layer,
+    widen_vocabulary,
 )
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
@@ -35,6 +36,7 @@ from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
     draft_vocabulary,
     evaluate_layer,
+    grown_vocabulary,
     load_sequences,
     split_sequences,
     train_layer,
@@ -126,9 +128,14 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     if recipe.init is not None:
         layer = load_layer(recipe.init, base_fingerprint(backend), shape.vocab_size, shape.hidden_size)
         layer.requires_grad_(True)
+        if layer.config.aux_layers != aux_layers:
+            raise CausalDraftError(
+                f"--init {recipe.init}: aux layers {layer.config.aux_layers}, the data has {aux_layers}"
+            )
+        if recipe.draft_vocab > layer.config.draft_vocab:  # grow: the most frequent ids the layer lacks
+            extra = grown_vocabulary(layer.vocab_ids, train_set, shape.vocab_size, recipe.draft_vocab)
+            layer = widen_vocabulary(layer, extra, backend.lm_head_weight()).requires_grad_(True)
         config, vocab_ids = layer.config, layer.vocab_ids
-        if config.aux_layers != aux_layers:
-            raise CausalDraftError(f"--init {recipe.init}: aux layers {config.aux_layers}, the data has {aux_layers}")
     else:
         vocab_ids = draft_vocabulary(train_set, shape.vocab_size, recipe.draft_vocab)
         config = eagle3_config(loaded, int(vocab_ids.numel()), aux_layers)

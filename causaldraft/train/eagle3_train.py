@@ -96,15 +96,31 @@ def split_sequences(sequences: list[Sequence], eval_every: int) -> tuple[list[Se
     return kept, held
 
 
-def draft_vocabulary(sequences: list[Sequence], vocab_size: int, size: int) -> torch.Tensor:
-    """The ``size`` target ids most frequent in the responses (emitted tokens count 1, top-k
-    candidates their probability), sorted ascending (draft id order = target id order)."""
+def token_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """[vocab] how often each target id occurs in the responses: emitted tokens count 1, top-k candidates
+    their probability."""
     counts = torch.zeros(vocab_size)
     for seq in sequences:
         counts += torch.bincount(seq.tokens[seq.prompt_length :], minlength=vocab_size).float()
         counts += torch.bincount(seq.topk_ids.flatten(), weights=seq.topk_logprobs.exp().flatten(),
                                  minlength=vocab_size)  # fmt: skip
-    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+    return counts
+
+
+def draft_vocabulary(sequences: list[Sequence], vocab_size: int, size: int) -> torch.Tensor:
+    """The ``size`` target ids most frequent in the responses (``token_counts``), sorted ascending (draft id
+    order = target id order)."""
+    return torch.topk(token_counts(sequences, vocab_size), min(size, vocab_size)).indices.sort().values
+
+
+def grown_vocabulary(vocab_ids: torch.Tensor, sequences: list[Sequence], vocab_size: int, size: int) -> torch.Tensor:
+    """The target ids to add to a draft vocabulary ``vocab_ids`` [V'] to grow it to ``size``: the most frequent
+    ones (``token_counts``) it lacks, sorted ascending. Example: counts [5, 0, 9, 2], vocab_ids [2], size 3
+    give [0, 3]."""
+    counts = token_counts(sequences, vocab_size)
+    counts[vocab_ids] = -1.0  # below every count
+    extra = max(0, min(size, vocab_size) - vocab_ids.numel())
+    return torch.topk(counts, extra).indices.sort().values
 
 
 @dataclass(frozen=True)

@@ -505,6 +505,9 @@ def test_train_heads_cli_trains_eagle3_and_continues_from_init(
     third = load_file(str(tmp_path / "third" / WEIGHTS_FILE))
     assert third["vocab_ids"].numel() == 160 == read_config(tmp_path / "third")[0].draft_vocab
     assert bool(torch.isin(tensors[1]["vocab_ids"], third["vocab_ids"]).all())
+    shrink = [*common, "--epochs", "0.5", "--init", str(tmp_path / "third"), "--out", str(tmp_path / "fourth")]
+    assert main([*shrink, "--draft-vocab", "100"]) != 0  # the later --draft-vocab wins
+    assert "can only grow" in capsys.readouterr().err and not (tmp_path / "fourth").exists()
     assert main([*common[:6], "markov", "--init", str(tmp_path / "first"), "--out", str(tmp_path / "m")]) != 0
     assert "--init applies to --heads eagle3 only" in capsys.readouterr().err
 

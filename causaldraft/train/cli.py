@@ -26,7 +26,13 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--prompts", nargs="+", required=True, type=Path, help="prompt files (.json/.jsonl/.txt)")
     parser.add_argument("--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov")
     parser.add_argument("--num-heads", type=int, default=recipe.num_heads)
-    parser.add_argument("--draft-vocab", type=int, default=recipe.draft_vocab)
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help=f"draft vocabulary size (default {recipe.draft_vocab}; eagle3 with --init: the starting layer's, and a "
+        "larger size grows it)",
+    )
     parser.add_argument("--tokens", type=int, default=generation.tokens, help="response tokens to generate")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="cache of data/features/checkpoints")
@@ -77,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     training = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     recipe = Recipe(
         model=args.model, prompts=tuple(args.prompts), kind=args.heads, out=args.out,
-        num_heads=args.num_heads, draft_vocab=args.draft_vocab, work=args.work, dtype=args.dtype,
+        num_heads=args.num_heads, draft_vocab=Recipe.draft_vocab if args.draft_vocab is None else args.draft_vocab,
+        work=args.work, dtype=args.dtype,
         generation=generation, training=training, command=shlex.join(["causaldraft", *sys.argv[1:]]),
     )  # fmt: skip
     summary = run_recipe(recipe)

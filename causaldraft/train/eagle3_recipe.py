@@ -43,13 +43,17 @@ from causaldraft.train.eagle3_train import (
 )
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
 
+DEFAULT_DRAFT_VOCAB = 8192
+
 
 @dataclass(frozen=True)
 class Eagle3Recipe:
     model: str
     prompts: tuple[Path, ...]
     out: Path
-    draft_vocab: int = 8192
+    # from scratch: the draft vocabulary's size (None: DEFAULT_DRAFT_VOCAB); from ``init``: None keeps the starting
+    # layer's, a larger size grows it (``widen_vocabulary``), a smaller one is refused
+    draft_vocab: int | None = None
     work: Path | None = None
     dtype: str = "bfloat16"  # of the target while generating
     eval_every: int = 20
@@ -59,7 +63,7 @@ class Eagle3Recipe:
     init: Path | None = None  # a trained layer to start from (same target): more epochs or more data
 
     def __post_init__(self) -> None:
-        if self.draft_vocab < 16:
+        if self.draft_vocab is not None and self.draft_vocab < 16:
             raise CausalDraftError(f"--draft-vocab must be >= 16, got {self.draft_vocab}")
 
 
@@ -132,12 +136,17 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
             raise CausalDraftError(
                 f"--init {recipe.init}: aux layers {layer.config.aux_layers}, the data has {aux_layers}"
             )
-        if recipe.draft_vocab > layer.config.draft_vocab:  # grow: the most frequent ids the layer lacks
+        if recipe.draft_vocab is not None and recipe.draft_vocab < layer.config.draft_vocab:
+            raise CausalDraftError(
+                f"--draft-vocab {recipe.draft_vocab} is smaller than the --init layer's {layer.config.draft_vocab}: "
+                "a vocabulary can only grow (leave --draft-vocab out to keep it)"
+            )
+        if recipe.draft_vocab is not None and recipe.draft_vocab > layer.config.draft_vocab:  # grow: frequent new ids
             extra = grown_vocabulary(layer.vocab_ids, train_set, shape.vocab_size, recipe.draft_vocab)
             layer = widen_vocabulary(layer, extra, backend.lm_head_weight()).requires_grad_(True)
         config, vocab_ids = layer.config, layer.vocab_ids
     else:
-        vocab_ids = draft_vocabulary(train_set, shape.vocab_size, recipe.draft_vocab)
+        vocab_ids = draft_vocabulary(train_set, shape.vocab_size, recipe.draft_vocab or DEFAULT_DRAFT_VOCAB)
         config = eagle3_config(loaded, int(vocab_ids.numel()), aux_layers)
         layer = new_layer(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
     with torch.inference_mode():

@@ -196,7 +196,7 @@ def widen_vocabulary(layer: Eagle3Layer, extra_ids: torch.Tensor, lm_head: torch
     wider = Eagle3Layer(config, vocab_ids)
     state = {name: value for name, value in layer.state_dict().items() if name != "lm_head.weight"}
     wider.load_state_dict({**state, "lm_head.weight": rows.index_select(0, order)})
-    return wider.to(layer.dtype)
+    return wider.cast(layer.dtype)  # the rope frequencies stay float32
 
 
 LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")

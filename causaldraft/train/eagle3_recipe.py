@@ -136,13 +136,14 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
             raise CausalDraftError(
                 f"--init {recipe.init}: aux layers {layer.config.aux_layers}, the data has {aux_layers}"
             )
-        if recipe.draft_vocab is not None and recipe.draft_vocab < layer.config.draft_vocab:
+        wanted = recipe.draft_vocab or layer.config.draft_vocab  # unset: keep the layer's
+        if wanted < layer.config.draft_vocab:
             raise CausalDraftError(
-                f"--draft-vocab {recipe.draft_vocab} is smaller than the --init layer's {layer.config.draft_vocab}: "
+                f"--draft-vocab {wanted} is smaller than the --init layer's {layer.config.draft_vocab}: "
                 "a vocabulary can only grow (leave --draft-vocab out to keep it)"
             )
-        if recipe.draft_vocab is not None and recipe.draft_vocab > layer.config.draft_vocab:  # grow: frequent new ids
-            extra = grown_vocabulary(layer.vocab_ids, train_set, shape.vocab_size, recipe.draft_vocab)
+        if wanted > layer.config.draft_vocab:  # grow by the most frequent ids it lacks
+            extra = grown_vocabulary(layer.vocab_ids, train_set, shape.vocab_size, wanted)
             layer = widen_vocabulary(layer, extra, backend.lm_head_weight()).requires_grad_(True)
         config, vocab_ids = layer.config, layer.vocab_ids
     else:

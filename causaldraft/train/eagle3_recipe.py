@@ -27,6 +27,7 @@ from causaldraft.drafters.eagle3_model import (
 )
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
+from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
@@ -109,6 +110,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
     assert isinstance(backend, NativeLlama)
+    use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     shape = backend.shape
     aux_layers = default_aux_layers(shape.num_layers)

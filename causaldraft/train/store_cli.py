@@ -18,6 +18,7 @@ from pathlib import Path
 from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.store import StoreConfig, save_store
 from causaldraft.errors import CausalDraftError
+from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.paths import causaldraft_home
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     backend = loaded.backend
     if not isinstance(backend, NativeLlama):
         raise CausalDraftError("build-store needs the native backend")
+    use_batch_products(backend)  # answers are generated 48 rows at a time
     began = time.perf_counter()
     if args.source is not None:
         directory, generated = args.source, None

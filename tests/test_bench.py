@@ -58,6 +58,14 @@ def test_results_schema(bench: tuple[Path, dict, BenchRun]) -> None:
         for per_category in entry["by_category"].values():
             assert METRIC_KEYS <= set(per_category)
         assert entry["turns"] == 3  # two turns of question 81, one of 111
+        assert {turn: values["turns"] for turn, values in entry["by_turn"].items()} == {"1": 2, "2": 1}
+        assert sum(values["new_tokens"] for values in entry["by_turn"].values()) == entry["new_tokens"]
+        for turn, per_turn in entry["by_turn"].items():
+            assert METRIC_KEYS <= set(per_turn)
+            ar_turn = on_disk["methods"]["ar"]["by_turn"][turn]
+            assert per_turn["speedup_vs_ar"] == pytest.approx(
+                per_turn["tokens_per_s"] / ar_turn["tokens_per_s"], rel=1e-3
+            )
         assert entry["tokens_per_s"] == pytest.approx(entry["new_tokens"] / entry["wall_s"], rel=1e-3)
         assert entry["speedup_vs_ar"] == pytest.approx(
             entry["tokens_per_s"] / on_disk["methods"]["ar"]["tokens_per_s"], rel=1e-3
@@ -68,8 +76,11 @@ def test_lossless_methods_match_ar_exactly(bench: tuple[Path, dict, BenchRun]) -
     _, results, run = bench
     for name in LOSSLESS:
         assert results["methods"][name]["exact_match_vs_ar"] == 1.0, name
-        for per_category in results["methods"][name]["by_category"].values():
-            assert per_category["exact_match_vs_ar"] == 1.0
+        for per_group in (
+            *results["methods"][name]["by_category"].values(),
+            *results["methods"][name]["by_turn"].values(),
+        ):
+            assert per_group["exact_match_vs_ar"] == 1.0
     # the transformers baseline runs the same fp32 weights on the same prompt ids
     assert results["methods"]["hf"]["exact_match_vs_ar"] == 1.0
     assert results["methods"]["ar"]["mean_accepted"] == 1.0
@@ -90,6 +101,7 @@ def test_failures_are_reported_without_losing_others(bench: tuple[Path, dict, Be
     assert all("error" not in results["methods"][name] for name in (*LOSSLESS, "hf"))
     report = (out / "report.md").read_text()
     assert "Failed or skipped methods" in report and "`markov`" in report
+    assert "## By turn" in report and "| lookup, turn 2 |" in report
 
 
 def test_steps_jsonl(bench: tuple[Path, dict, BenchRun]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from causaldraft.bench.harness import TurnRecord
@@ -87,20 +88,33 @@ def metrics(records: list[TurnRecord], hf: Totals | None, ar: Totals | None, ar_
     }
 
 
+def turn_label(record: TurnRecord) -> str:
+    """A record's turn, counted from 1 ("1": first answers; "2": answers with an earlier exchange in the prompt)."""
+    return str(record.turn + 1)
+
+
+def category_label(record: TurnRecord) -> str:
+    return record.category
+
+
 def summarize(methods: list[str], records: list[TurnRecord], errors: dict[str, str],
               comparable: bool) -> dict[str, dict[str, object]]:  # fmt: skip
-    """results.json "methods": keyed by method string in the given order; failed ones carry "error"."""
+    """results.json "methods": keyed by method string in the given order; failed ones carry "error".
+    Each entry's ``by_category`` and ``by_turn`` hold the same metrics over its records of one category
+    or one turn, against the reference methods' records of that group."""
     by_method = {name: [r for r in records if r.method == name] for name in methods if name not in errors}
-    categories = sorted({record.category for record in records})
 
-    def reference(name: str, category: str | None) -> list[TurnRecord] | None:
-        if name not in by_method:
-            return None
-        return [r for r in by_method[name] if category is None or r.category == category]
+    def group_metrics(own: list[TurnRecord], label: Callable[[TurnRecord], str], group: str) -> dict[str, object]:
+        def reference(name: str) -> list[TurnRecord] | None:
+            chosen = [r for r in by_method.get(name, []) if label(r) == group]
+            return chosen or None
 
-    def reference_totals(name: str, category: str | None) -> Totals | None:
-        chosen = reference(name, category)
-        return totals(chosen) if chosen else None
+        hf, ar = reference("hf"), reference("ar")
+        mine = [r for r in own if label(r) == group]
+        return metrics(mine, totals(hf) if hf else None, totals(ar) if ar else None, ar, comparable)
+
+    def breakdown(own: list[TurnRecord], label: Callable[[TurnRecord], str]) -> dict[str, dict[str, object]]:
+        return {group: group_metrics(own, label, group) for group in sorted({label(r) for r in records})}
 
     summary: dict[str, dict[str, object]] = {}
     for name in methods:
@@ -108,18 +122,10 @@ def summarize(methods: list[str], records: list[TurnRecord], errors: dict[str, s
             summary[name] = {"error": errors[name]}
             continue
         own = by_method[name]
-        hf, ar = reference_totals("hf", None), reference_totals("ar", None)
-        entry = metrics(own, hf, ar, reference("ar", None), comparable)
-        entry["by_category"] = {
-            category: metrics(
-                [r for r in own if r.category == category],
-                reference_totals("hf", category),
-                reference_totals("ar", category),
-                reference("ar", category),
-                comparable,
-            )  # fmt: skip
-            for category in categories
-        }
+        hf, ar = by_method.get("hf"), by_method.get("ar")
+        entry = metrics(own, totals(hf) if hf else None, totals(ar) if ar else None, ar, comparable)
+        entry["by_category"] = breakdown(own, category_label)
+        entry["by_turn"] = breakdown(own, turn_label)
         entry["acceptance_by_depth"] = acceptance_by_depth(own)
         entry["accepted_histogram"] = {str(size): count for size, count in accepted_histogram(own).items()}
         summary[name] = entry

@@ -151,6 +151,11 @@ def render_report(results: dict[str, object], plots: list[str], sweep: dict[str,
              "tokens equal `ar`'s (greedy, or seeded Gumbel sampling: the same seed per turn for every method).",
              "", EXACTNESS, "", "## All categories", ""]  # fmt: skip
     lines += table(ok, "method")
+    if any(len(entry["by_turn"]) > 1 for _, entry in ok):
+        lines += ["", "## By turn", "", "Turn 2 and later answers have the conversation so far in their prompt "
+                  "(the method's own earlier answers).", ""]  # fmt: skip
+        lines += table([(f"{name}, turn {turn}", values) for name, entry in ok
+                        for turn, values in entry["by_turn"].items()], "method, turn")  # fmt: skip
     failed = [(name, entry["error"]) for name, entry in methods.items() if "error" in entry]
     if failed:
         lines += ["", "## Failed or skipped methods", ""]

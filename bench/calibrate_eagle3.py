@@ -27,7 +27,6 @@ from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
-from causaldraft.models.native import NativeLlama
 from causaldraft.train.calibration import calibrate_layer
 from causaldraft.train.eagle3_train import load_sequences
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
@@ -49,8 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model, "native", args.dtype)
     backend = loaded.backend
-    if isinstance(backend, NativeLlama):
-        use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
+    use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
     layer = load_layer(args.heads, base_fingerprint(backend), backend.shape.vocab_size, backend.shape.hidden_size)
     started = time.perf_counter()
     generation = FeatureGenConfig(tokens=args.tokens, seed=args.data_seed, temperature=args.data_temperature)

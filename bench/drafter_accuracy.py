@@ -21,7 +21,6 @@ from causaldraft.drafters.eagle3_model import load_layer
 from causaldraft.drafters.heads import base_fingerprint, default_heads_dir, load_heads
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
-from causaldraft.models.native import NativeLlama
 from causaldraft.train.eagle3_train import evaluate_layer, load_sequences, split_sequences
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.features import Features, sequence_features
@@ -38,8 +37,7 @@ def main() -> int:
     torch.set_num_threads(2)
     target = load_model("default", "native", "bfloat16")
     backend = target.backend
-    if isinstance(backend, NativeLlama):
-        use_batch_products(backend)  # the held-out answers' hidden states, one whole sequence per pass
+    use_batch_products(backend)  # the held-out answers' hidden states, one whole sequence per pass
     shape = backend.shape
     _, held = split_sequences(load_sequences(args.work), args.eval_every)
     embed = backend.embed(torch.arange(shape.vocab_size)).float()

@@ -38,7 +38,6 @@ from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
-from causaldraft.models.native import NativeLlama
 from causaldraft.train.calibration import CHUNK_ROWS, gumbel, target_samples
 from causaldraft.train.eagle3_train import Sequence, load_sequences, make_batch, ttt_outputs
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
@@ -118,8 +117,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model, "native", "bfloat16")
     backend = loaded.backend
-    if isinstance(backend, NativeLlama):
-        use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
+    use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
     layer = load_layer(args.heads, base_fingerprint(backend), backend.shape.vocab_size, backend.shape.hidden_size)
     generation = FeatureGenConfig(tokens=args.tokens, seed=args.data_seed, temperature=args.data_temperature)
     generate_features(backend, loaded.tokenizer, tuple(args.prompts), args.work,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from causaldraft.models import quant
+from causaldraft.models.base import Backend
 from causaldraft.models.native import DecoderLayer, NativeLlama, apply_rope
 from causaldraft.models.products import native_bf16_products
 
@@ -45,8 +46,8 @@ class BatchCache:
             mine[rows, :, :length] = theirs[: rows.numel(), :, :length]
 
 
-def use_batch_products(model: NativeLlama) -> bool:
-    """Run a bf16 model's layer products through oneDNN for offline passes of many rows, where oneDNN takes
+def use_batch_products(model: Backend) -> bool:
+    """Run a native bf16 model's layer products through oneDNN for offline passes of many rows, where oneDNN takes
     bf16 weights (``products.native_bf16_products``); True where its linears changed.
 
     A bf16 model loads with its layers on causaldraft's kernel (``quant.Bf16BlockLinear``), which reads the
@@ -56,8 +57,8 @@ def use_batch_products(model: NativeLlama) -> bool:
     kernel against 0.45 through oneDNN at 48 rows, 9.0 against 1.2 at 256 rows. Both are exact products of the
     same bf16 numbers with fp32 sums, in different orders, so greedy data may differ only where two tokens are
     near-tied; decoding never runs these passes (its exactness: docs/exactness.md). Elsewhere (no bf16 oneDNN,
-    fp32, int4/int8) nothing changes."""
-    if model.quantized or not native_bf16_products():
+    fp32, int4/int8, the hf backend) nothing changes."""
+    if not isinstance(model, NativeLlama) or model.quantized or not native_bf16_products():
         return False
     return quant.use_plain_linears(model)
 

@@ -16,7 +16,6 @@ from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
-from causaldraft.models.native import NativeLlama
 from causaldraft.paths import causaldraft_home
 from causaldraft.train.data import GenerationConfig, generate_data, order_suffix
 from causaldraft.train.evaluate import evaluate
@@ -58,8 +57,7 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation)
     timings["generate_s"] = time.perf_counter() - started
     torch.set_num_threads(recipe.generation.threads)
-    if isinstance(loaded.backend, NativeLlama):
-        use_batch_products(loaded.backend)  # the hidden pass reads whole sequences at a time
+    use_batch_products(loaded.backend)  # the hidden pass reads whole sequences at a time
     started = time.perf_counter()
     features = compute_features(loaded.backend, work / f"gen{suffix}", work / f"features{suffix}", recipe.top_k)
     timings["features_s"] = time.perf_counter() - started

@@ -40,11 +40,14 @@ lint: setup
 	$(BIN)/ruff format --check causaldraft tests bench
 	$(BIN)/mypy causaldraft
 
+# test files run in parallel, one torch thread each (pytest-xdist; a file's tests share one worker and its fixtures)
+PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
+
 test: lint $(SPEC_BIN)/python
-	CAUSALDRAFT_SPECULATORS_PYTHON=$(SPEC_BIN)/python $(BIN)/python -m pytest -q
+	CAUSALDRAFT_SPECULATORS_PYTHON=$(SPEC_BIN)/python $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 bench: setup
 	$(BIN)/causaldraft bench --prompts ../shared/data/bench/mt_bench_question.jsonl \

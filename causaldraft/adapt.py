@@ -58,7 +58,7 @@ CHILD_SHARES = (0.5, 0.25, 0.1)
 # then nearly free to verify, and confident runs (lists, code, repeated phrases) accept all of them. bf16 through
 # oneDNN on an AMX Xeon (2 / 16 rows 16.4 / 19.6 ms): depth 12 against 8 gave eagle3 142.6 / 138.9 tokens/s against
 # ~110-121 and markov and lookup +15-22 %; with `bf16_mm` there (18.2 / 29.1 ms) depth 12 changed nothing, nor in
-# int4; on Zen (stop 28, oneDNN without AMX) depths 12 and 16 lost to 8 (README, stop 36)
+# int4; on Zen (stop 28, oneDNN without AMX) depths 12 and 16 lost to 8 (docs/results/history.md, stop 36)
 FLAT_COST_DEPTH = 12
 FLAT_COST_RATIO = 1.3  # cost(16 rows) / cost(2 rows) at or below which passes count as flat
 

@@ -44,8 +44,9 @@ CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)
 STATIC_DEPTH = 5  # a static tree drafts every level of its fixed shape
 # A dynamic tree's depth is a ceiling: its depth gate drafts a level only where the cost model says it pays.
 # 8 since stop 28 (5 before): with attention's AVX-512 build, 8 gave every tree drafter 4-13 % more tokens/s
-# in bf16 (the issue's prompts and 16 others), and 12 or 16 less than 8 (README, stop 28). Where verify passes
-# cost about the same over 2 and 16 rows, the engine takes 12 instead (``adapt.dynamic_depth``, stop 36).
+# in bf16 (the issue's prompts and 16 others), and 12 or 16 less than 8 (docs/results/history.md, stop 28).
+# Where verify passes cost about the same over 2 and 16 rows, the engine takes 12 instead (``adapt.dynamic_depth``,
+# stop 36).
 DYNAMIC_DEPTH = 8
 DEFAULT_DEPTHS = {"chain": CHAIN_DEPTH, "static": STATIC_DEPTH, "dynamic": DYNAMIC_DEPTH}
 
@@ -62,7 +63,7 @@ class TreeConfig:
     # from the text, so their length costs no drafting: with lookup_depth N an adaptive policy lets them
     # reach N deep and its cost model prunes their nodes like any others; fixed trees (--no-adapt) keep
     # them within `depth`. None (the default): `depth`. 24 raised bf16's mean accepted length by ~0.3 at
-    # the same tokens/s, and cost int4 2-4 % (more drafting work per step; README, stop 34).
+    # the same tokens/s, and cost int4 2-4 % (more drafting work per step; docs/results/history.md, stop 34).
     lookup_depth: int | None = None
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ class DecodeConfig:
     # An untimed policy (seeded rejection sampling: no decision may depend on the clock) drafts a
     # level while its frontier holds a node this sure and verifies only nodes this sure. Before it,
     # such trees grew to max_nodes (~31 nodes: 28 ms a bf16 pass against 11 for one row) for ~0.5
-    # accepted tokens, and seeded rejection sampling ran at 0.54x plain decoding (README, stop 32).
+    # accepted tokens, and seeded rejection sampling ran at 0.54x plain decoding (docs/results/history.md, stop 32).
     untimed_min_score: float = 0.2
 
     def __post_init__(self) -> None:

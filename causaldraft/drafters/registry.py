@@ -91,7 +91,7 @@ def build_eagle3(target: LoadedModel, options: DrafterOptions, dtype: str) -> Dr
 def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:
     """What ``auto`` (the default drafter) runs: the kind of the trained drafter in ``--heads DIR``;
     else prompt lookup, which needs no training, costs ~0.1 ms a step and was the fastest lossless
-    drafter in every issue bench since stop 24 (int4, bf16 and seeded T=1, two prompt sets; README).
+    drafter in every issue bench since stop 24 (int4, bf16 and seeded T=1, two prompt sets; docs/results/history.md).
     The shipped Markov, Medusa and eagle3 drafters of the default model load by name."""
     from causaldraft.drafters.eagle3_model import CONFIG_FILE as EAGLE3_CONFIG
     from causaldraft.drafters.heads import CONFIG_FILE, read_config

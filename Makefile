@@ -40,8 +40,9 @@ lint: setup
 	$(BIN)/ruff format --check causaldraft tests bench
 	$(BIN)/mypy causaldraft
 
-# test files run in parallel, one torch thread each (pytest-xdist; a file's tests share one worker and its fixtures)
-PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
+# tests run in parallel, one worker per core (up to 4) on one torch thread each; an idle worker takes queued
+# tests from a busy one (pytest-xdist worksteal)
+PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist worksteal
 
 test: lint $(SPEC_BIN)/python
 	CAUSALDRAFT_SPECULATORS_PYTHON=$(SPEC_BIN)/python $(BIN)/python -m pytest -q $(PYTEST_WORKERS)

@@ -49,6 +49,13 @@ def models(tiny_llama_dir: Path) -> dict[str, LoadedModel]:
 
 
 @pytest.fixture(autouse=True)
+def seeded_torch() -> None:
+    """Every test starts from the same global torch RNG state, whichever tests ran before it in its worker
+    (the suite runs in parallel workers that take tests in no fixed order: make test)."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep converted/quantized caches of tests out of the user's home, except the default model."""
     monkeypatch.setenv("CAUSALDRAFT_TEST", "1")

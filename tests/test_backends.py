@@ -13,7 +13,14 @@ from transformers import AutoModelForCausalLM
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
-from causaldraft.models.loading import load_model
+from causaldraft.models.loading import (
+    file_sha256,
+    holds_conversion_of,
+    load_model,
+    read_source_record,
+    source_identity,
+    write_source_record,
+)
 from causaldraft.models.native import NativeLlama
 from causaldraft.tree import Tree, compile_tree, full_mask
 
@@ -144,6 +151,41 @@ def test_bad_gguf_file_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monk
     text.write_bytes(b"x")
     with pytest.raises(CausalDraftError, match="not a .gguf"):
         load_model(str(text))
+
+
+def test_a_converted_folder_is_reused_only_for_the_bytes_it_was_converted_from(tmp_path: Path) -> None:
+    """The default model's folder is keyed by name: its record decides whether it still holds a
+    conversion of the installed GGUF file (a moved environment keeps it; another file does not)."""
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    gguf = tmp_path / "env-a" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    assert not holds_conversion_of(converted, gguf)  # no config.json: nothing converted yet
+    (converted / "config.json").write_text("{}")
+    assert not holds_conversion_of(converted, gguf)  # no record
+    write_source_record(converted, {**source_identity(gguf), "sha256": file_sha256(gguf), "four_bit": True})
+    assert holds_conversion_of(converted, gguf)
+
+    # the package reinstalled in another environment, the old one deleted: same bytes, new place
+    moved = tmp_path / "env-b" / "model.gguf"
+    moved.parent.mkdir()
+    shutil.copyfile(gguf, moved)
+    gguf.unlink()
+    assert holds_conversion_of(converted, moved)
+    record = read_source_record(converted)
+    assert record["gguf"] == str(moved.resolve()) and record["size"] == moved.stat().st_size
+    assert record["four_bit"] is True  # what was learnt about the same bytes is kept
+
+    # another release of the file: converted again
+    moved.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)
+    assert not holds_conversion_of(converted, moved)
+    # an earlier causaldraft's record (the path only) of a file that moved; a corrupt record
+    write_source_record(converted, {"gguf": str(gguf)})
+    assert not holds_conversion_of(converted, moved)
+    (converted / "causaldraft_source.json").write_text("{not json")
+    assert read_source_record(converted) == {}
+    assert not holds_conversion_of(converted, moved)
 
 
 def test_unknown_dtype_and_backend_are_clear_errors(tiny_llama_dir: Path) -> None:

@@ -13,7 +13,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import causaldraft
-from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.models.loading import (
+    LoadedModel,
+    default_gguf_path,
+    file_sha256,
+    load_model,
+    read_source_record,
+    resolve_dtype,
+    resolve_model_dir,
+    write_source_record,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +67,30 @@ def test_speculative_greedy_is_token_identical_on_the_default_model(
     engine = causaldraft.load(loaded=default_fp32, drafter=drafter, tree=tree, fallback=False, calibrate=False)
     for text in list(plain_outputs)[:2]:
         assert engine.generate(text, chat=True, max_new_tokens=48).token_ids == plain_outputs[text]
+
+
+def test_the_default_conversion_follows_its_gguf_file_to_a_new_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion whose record names a GGUF path that is gone (the environment it was made in was
+    deleted) is still the default model's, in int4 with ``auto``, once the installed file has the same bytes.
+    Before the record carried a digest, that folder was reused as it was: with no GGUF file, ``auto``
+    chose bfloat16 and int4 quantized the checkpoint instead of reading the file's blocks."""
+    installed = resolve_model_dir("default")
+    home = tmp_path / "home"
+    copy = home / "models" / installed.name
+    copy.mkdir(parents=True)
+    for item in installed.iterdir():
+        if item.is_file() and not item.name.startswith(("quant-", ".")):  # the checkpoint, not its caches
+            (copy / item.name).symlink_to(item)
+    (copy / "causaldraft_source.json").unlink()
+    gguf = default_gguf_path()
+    stale = {"gguf": str(tmp_path / "deleted-env" / gguf.name), "size": 1, "mtime_ns": 1}
+    write_source_record(copy, {**stale, "sha256": file_sha256(gguf), "four_bit": True})
+    monkeypatch.setenv("CAUSALDRAFT_HOME", str(home))
+    assert resolve_model_dir("default") == copy  # not converted again: the same bytes
+    assert Path(str(read_source_record(copy)["gguf"])) == gguf.resolve()
+    assert resolve_dtype(copy, "auto") == "int4"
 
 
 def test_default_model_loads_from_the_converted_cache_quickly_enough_to_reuse() -> None:

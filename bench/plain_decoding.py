@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(args.model, "native", "bfloat16")
     texts = read_prompts(args.prompt_file, args.prompts)
-    eager = causaldraft.load(drafter="none", loaded=loaded, calibrate=False)
+    eager = causaldraft.load(drafter="none", loaded=loaded, calibrate=False, compile=False)
     prompts = [eager.encode(text, chat=True) for text in texts]
     rows = {}
     seconds, tokens = time_transformers(loaded.model_dir, torch.bfloat16, prompts, args.max_new_tokens)
@@ -66,7 +66,7 @@ def main() -> None:
     rows["native bf16 eager"] = tokens / seconds
     compiled_model = load_model(args.model, "native", "bfloat16")
     compile_model(compiled_model.backend)  # type: ignore[arg-type]
-    compiled = causaldraft.load(drafter="none", loaded=compiled_model, calibrate=False)
+    compiled = causaldraft.load(drafter="none", loaded=compiled_model, calibrate=False, compile=False)
     seconds, tokens = time_causaldraft(compiled, prompts, args.max_new_tokens)
     rows["native bf16 compiled"] = tokens / seconds
     base = rows["transformers generate bf16"]

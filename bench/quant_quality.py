@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--file", default=MT_BENCH)
     args = parser.parse_args()
 
-    reference = load(args.model, dtype="float32", drafter="none", calibrate=False)
+    reference = load(args.model, dtype="float32", drafter="none", calibrate=False, compile=False)
     sequences: list[tuple[list[int], int]] = []  # (prompt + fp32 greedy continuation, prompt length)
     for question in read_questions(args.file, limit=args.prompts):
         prompt = reference.encode_chat([{"role": "user", "content": question.turns[0]}])

@@ -80,7 +80,7 @@ def main() -> int:
     plain_int4: list[list[int]] = []
     for dtype in PLAIN_DTYPES:
         loaded[dtype] = load_model("default", "native", dtype)
-        engine = load(dtype=dtype, drafter="none", loaded=loaded[dtype])
+        engine = load(dtype=dtype, drafter="none", loaded=loaded[dtype], compile=False)
         if not prompts:
             questions = read_questions(args.file, limit=args.prompts)
             prompts = [engine.encode_chat([{"role": "user", "content": q.turns[0]}]) for q in questions]
@@ -92,7 +92,7 @@ def main() -> int:
         rows.append((f"plain {dtype}", speed, per_pass, ""))
         print(f"plain {dtype}: {speed:.1f} tokens/s", flush=True)
     for drafter in SPECULATIVE_INT4:
-        engine = load(dtype="int4", drafter=drafter, loaded=loaded["int4"])
+        engine = load(dtype="int4", drafter=drafter, loaded=loaded["int4"], compile=False)
         speed, per_pass, outputs = run_engine(engine, prompts, args.tokens)
         rows.append((f"{drafter} int4", speed, per_pass, f"{match_rate(plain_int4, outputs):.3f}"))
         print(f"{drafter} int4: {speed:.1f} tokens/s", flush=True)

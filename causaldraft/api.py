@@ -335,7 +335,7 @@ def load(
     elif options:
         raise CausalDraftError("pass either an EngineConfig or keyword settings, not both")
     target = loaded or load_model(config.model, config.backend, config.dtype)
-    if config.compile:
+    if config.compiled:
         compile_backend(target)
     drafter_options = DrafterOptions(draft_model=config.draft_model, draft_layers=config.draft_layers,
                                      heads=config.heads, lookup_merge=config.lookup_merge, store=config.store,

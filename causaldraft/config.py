@@ -135,7 +135,7 @@ class EngineConfig:
     model: str = "default"
     backend: str = "native"
     dtype: str = "auto"
-    compile: bool = False
+    compile: bool | None = None  # None: compiled on the native backend, as the CLI (``compiled``)
     drafter: str = "auto"  # trained heads that fit the model (shipped for the default one), else lookup
     tree: str = "dynamic"
     depth: int | None = None
@@ -166,6 +166,12 @@ class EngineConfig:
         self.decode_config  # noqa: B018
 
     @property
+    def compiled(self) -> bool:
+        """Whether the target's passes run compiled graphs: ``compile`` when set, else wherever they can (the
+        native backend; the hf backend has no compiled path)."""
+        return self.compile if self.compile is not None else self.backend == "native"
+
+    @property
     def tree_config(self) -> TreeConfig:
         return tree_config_of(self.tree, self.depth, self.width, self.max_nodes, self.lookup_depth)
 
@@ -184,7 +190,7 @@ class EngineConfig:
         names them per method)."""
         default = EngineConfig()
         parts = ["--model", self.model, "--backend", self.backend, "--dtype", self.dtype]
-        parts.append("--compile" if self.compile else "--no-compile")
+        parts.append("--compile" if self.compiled else "--no-compile")
         for flag, value, unset in (("--depth", self.depth, None), ("--width", self.width, None),
                                    ("--max-nodes", self.max_nodes, None), ("--lookup-depth", self.lookup_depth, None),
                                    ("--draft-model", self.draft_model, None),

@@ -30,11 +30,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the forward eagerly")
 
 
-def compile_wanted(args: argparse.Namespace) -> bool:
-    """Compiled unless --no-compile (or the hf backend, which has no compiled path)."""
-    return bool(args.compile) if args.compile is not None else args.backend == "native"
-
-
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
     parser.add_argument("--drafter", default=default_drafter,
                         help="auto (default: the trained drafter in --heads DIR; else lookup), none, lookup, "
@@ -73,7 +68,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings the flags ask for (model flags, drafter flags and draft options)."""
     return EngineConfig(
-        model=args.model, backend=args.backend, dtype=args.dtype, compile=compile_wanted(args),
+        model=args.model, backend=args.backend, dtype=args.dtype, compile=args.compile,
         drafter=getattr(args, "drafter", "none"), tree=getattr(args, "tree", TreeConfig().kind),
         depth=args.depth, width=args.width, max_nodes=args.max_nodes, lookup_depth=args.lookup_depth,
         acceptance=args.acceptance,

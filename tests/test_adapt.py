@@ -213,17 +213,27 @@ def test_the_engine_deepens_only_a_default_dynamic_tree_and_only_from_measured_c
     flat = VerifyCost({1: 0.010, 2: 0.010, 16: 0.011, 64: 0.012})
     monkeypatch.setattr(api, "verify_cost", lambda *args, **kwargs: VerifyCost(dict(flat.seconds)))
     directory = str(tiny_llama_dir)
-    deep = causaldraft.load(directory, dtype="float32", drafter="lookup")
+    deep = causaldraft.load(directory, dtype="float32", drafter="lookup", compile=False)
     assert deep.decoder.tree.depth == FLAT_COST_DEPTH and deep.adapt.depth == FLAT_COST_DEPTH
     assert deep.decoder.tree.lookup_depth == FLAT_COST_LOOKUP_DEPTH
-    assert causaldraft.load(directory, dtype="float32", drafter="lookup", lookup_depth=9).decoder.tree.lookup_depth == 9
-    assert causaldraft.load(directory, dtype="float32", drafter="lookup", depth=6).decoder.tree.depth == 6
-    assert causaldraft.load(directory, dtype="float32", drafter="lookup", tree="static").decoder.tree.depth == 5
-    uncalibrated = causaldraft.load(directory, dtype="float32", drafter="lookup", calibrate=False)
+    assert (
+        causaldraft.load(
+            directory, dtype="float32", drafter="lookup", lookup_depth=9, compile=False
+        ).decoder.tree.lookup_depth
+        == 9
+    )
+    assert (
+        causaldraft.load(directory, dtype="float32", drafter="lookup", depth=6, compile=False).decoder.tree.depth == 6
+    )
+    assert (
+        causaldraft.load(directory, dtype="float32", drafter="lookup", tree="static", compile=False).decoder.tree.depth
+        == 5
+    )
+    uncalibrated = causaldraft.load(directory, dtype="float32", drafter="lookup", calibrate=False, compile=False)
     assert uncalibrated.decoder.tree.depth == 8  # no measured costs: the kind's default
     assert uncalibrated.decoder.tree.lookup_depth is None
     monkeypatch.setattr(api, "verify_cost", lambda *args, **kwargs: VerifyCost({1: 0.010, 2: 0.011, 16: 0.030}))
-    assert causaldraft.load(directory, dtype="float32", drafter="lookup").decoder.tree.depth == 8
+    assert causaldraft.load(directory, dtype="float32", drafter="lookup", compile=False).decoder.tree.depth == 8
 
 
 def test_a_kept_calibration_holds_while_its_smallest_and_largest_passes_take_about_what_it_kept() -> None:

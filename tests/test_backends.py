@@ -201,14 +201,16 @@ def test_compiled_native_backend_gives_identical_greedy_output(tiny_llama_dir: P
     from causaldraft.models.compiled import GraphKey, GraphStore, compile_model
     from causaldraft.models.native import default_aux_layers
 
-    plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
+    plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False, compile=False)
     expected = plain.generate("hello world hello world", max_new_tokens=20).token_ids
     loaded = load_model(str(tiny_llama_dir), "native", "float32")
     backend = loaded.backend
     assert isinstance(backend, NativeLlama)
     store = GraphStore(GraphKey.of(backend, default_aux_layers(backend.llama_shape.num_layers)), graph_root)
     compile_model(backend, buckets=(1, 4, 32), store=store)
-    spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
+    spec = causaldraft.load(
+        loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4, compile=False
+    )
     assert spec.generate("hello world hello world", max_new_tokens=20).token_ids == expected
     # another prompt length and cache size reuses the same graphs: only the attention span is dynamic
     builds = store.builds

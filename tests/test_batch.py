@@ -117,7 +117,7 @@ def test_generate_batch_equals_each_prompts_own_generation(
 
 def test_seeded_sampling_in_a_batch_is_the_streams_own(models: dict[str, LoadedModel]) -> None:
     """Gumbel-sampled streams draw each position's noise from their own seed: the same tokens."""
-    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False)
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False, compile=False)
     options = {"max_new_tokens": 40, "temperature": 0.9, "top_p": 0.95}
     expected = [engine.generate(prompt, seed=seed, **options).token_ids for seed, prompt in enumerate(PROMPTS)]
     batch = Batch(engine, 4, context=512)
@@ -129,7 +129,7 @@ def test_seeded_sampling_in_a_batch_is_the_streams_own(models: dict[str, LoadedM
 
 
 def test_bad_input_and_a_full_batch_leave_the_batch_as_it_was(models: dict[str, LoadedModel]) -> None:
-    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False)
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False, compile=False)
     batch = Batch(engine, 2, context=128)
     assert batch.pool is not None
     with pytest.raises(CausalDraftError, match="temperature"):
@@ -149,7 +149,7 @@ def test_bad_input_and_a_full_batch_leave_the_batch_as_it_was(models: dict[str, 
 def test_an_expensive_batch_pass_makes_streams_decode_plainly(models: dict[str, LoadedModel]) -> None:
     """The cost model decides per batch: when every extra row per stream costs ten one-row passes,
     the streams stop speculating (and stay token-identical)."""
-    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False)
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False, compile=False)
     prompt = PROMPTS[2] * 3
     expected = engine.generate(prompt, max_new_tokens=80).token_ids
     costly = VerifyCost({1: 0.01, 2: 0.1, 4: 0.2, 8: 0.4, 16: 0.8})
@@ -166,8 +166,8 @@ def test_an_expensive_batch_pass_makes_streams_decode_plainly(models: dict[str, 
 def test_batched_server_answers_concurrent_requests_as_alone(tiny_llama_dir: Path) -> None:
     """Four concurrent requests to a server batching four: each answer is the request's own, and
     /metrics shows steps that served several requests."""
-    engine = load(model=str(tiny_llama_dir), dtype="bfloat16", drafter="lookup", calibrate=False)
-    reference = load(model=str(tiny_llama_dir), dtype="bfloat16", drafter="none", calibrate=False)
+    engine = load(model=str(tiny_llama_dir), dtype="bfloat16", drafter="lookup", calibrate=False, compile=False)
+    reference = load(model=str(tiny_llama_dir), dtype="bfloat16", drafter="none", calibrate=False, compile=False)
     prompts = PROMPTS[:4]
     expected = [reference.generate(prompt, max_new_tokens=48).text for prompt in prompts]
     answers: dict[int, str] = {}

@@ -36,7 +36,9 @@ def bench(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     directory = tmp_path_factory.mktemp("bench")
     prompts = write_prompts(directory / "questions.jsonl")
     # fixed trees, no fallback: every step of a drafter method verifies a real draft
-    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", draft_layers=2, adapt=False, fallback=False)
+    engine = EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", draft_layers=2, adapt=False, fallback=False, compile=False
+    )
     config = BenchConfig(prompts=str(prompts), methods=METHODS, max_new_tokens=20, engine=engine)
     run = run_bench(config, progress=False)
     out = directory / "out"
@@ -163,7 +165,7 @@ def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_multi_turn_feeds_the_methods_own_answer(tiny_llama_dir: Path) -> None:
     from causaldraft.api import load
 
-    encoder = load(str(tiny_llama_dir), "float32", drafter="none", calibrate=False)
+    encoder = load(str(tiny_llama_dir), "float32", drafter="none", calibrate=False, compile=False)
     prompts: list[list[int]] = []
 
     class Recorder:

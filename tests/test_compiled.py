@@ -14,7 +14,8 @@ import causaldraft
 from causaldraft.adapt import calibration_name
 from causaldraft.api import verify_cost
 from causaldraft.cli import build_parser
-from causaldraft.flags import compile_wanted
+from causaldraft.config import EngineConfig
+from causaldraft.flags import engine_config
 from causaldraft.models import compiled, int4_kernel
 from causaldraft.models.compiled import GraphKey, GraphStore, compile_model, frozen_weights
 from causaldraft.models.loading import load_model, resolve_dtype
@@ -82,7 +83,7 @@ def test_bf16_packages_hold_their_weights_and_their_key_covers_the_values(
 
 @pytest.mark.slow
 def test_graphs_are_built_once_and_loaded_by_the_next_process(tiny_llama_dir: Path, graph_root: Path) -> None:
-    plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False)
+    plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False, compile=False)
     expected = plain.generate("abcabc abcabc abc", max_new_tokens=24).token_ids
     first = native(tiny_llama_dir)
     compile_model(first, buckets=(1, 4, 32), store=GraphStore(key_of(first), graph_root))
@@ -91,7 +92,9 @@ def test_graphs_are_built_once_and_loaded_by_the_next_process(tiny_llama_dir: Pa
     compile_model(second, buckets=(1, 4, 32), store=store)
     assert store.builds == 0 and second.compiled
     loaded = causaldraft.models.loading.LoadedModel(second, plain.tokenizer, tiny_llama_dir, "x", "float32")
-    spec = causaldraft.load(loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4)
+    spec = causaldraft.load(
+        loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4, compile=False
+    )
     assert spec.generate("abcabc abcabc abc", max_new_tokens=24).token_ids == expected
 
 
@@ -158,9 +161,16 @@ def test_auto_dtype_is_int4_only_for_a_model_converted_from_a_4bit_gguf(tiny_lla
 
 
 def test_compiled_is_the_default_and_no_compile_turns_it_off() -> None:
+    """The CLI and the library agree: compiled wherever the backend can be, unless told otherwise."""
     parser = build_parser()
-    assert compile_wanted(parser.parse_args(["generate", "--prompt", "x"]))
-    assert compile_wanted(parser.parse_args(["generate", "--prompt", "x", "--compile"]))
-    assert not compile_wanted(parser.parse_args(["generate", "--prompt", "x", "--no-compile"]))
-    assert not compile_wanted(parser.parse_args(["generate", "--prompt", "x", "--backend", "hf"]))
+
+    def compiled(*flags: str) -> bool:
+        return engine_config(parser.parse_args(["generate", "--prompt", "x", *flags])).compiled
+
+    assert compiled() and compiled("--compile")
+    assert not compiled("--no-compile")
+    assert not compiled("--backend", "hf")
+    assert EngineConfig().compiled and EngineConfig(compile=True).compiled
+    assert not EngineConfig(compile=False).compiled and not EngineConfig(backend="hf").compiled
+    assert "--compile" in EngineConfig().flags() and "--no-compile" in EngineConfig(compile=False).flags()
     assert parser.parse_args(["generate", "--prompt", "x"]).dtype == "auto"

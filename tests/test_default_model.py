@@ -43,14 +43,14 @@ def default_fp32() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def plain_outputs(default_fp32: LoadedModel) -> dict[str, list[int]]:
-    engine = causaldraft.load(loaded=default_fp32, drafter="none", calibrate=False)
+    engine = causaldraft.load(loaded=default_fp32, drafter="none", calibrate=False, compile=False)
     return {text: engine.generate(text, chat=True, max_new_tokens=48).token_ids for text in mt_bench_prompts(5)}
 
 
 def test_plain_greedy_matches_transformers_generate(
     default_fp32: LoadedModel, plain_outputs: dict[str, list[int]]
 ) -> None:
-    engine = causaldraft.load(loaded=default_fp32, drafter="none", calibrate=False)
+    engine = causaldraft.load(loaded=default_fp32, drafter="none", calibrate=False, compile=False)
     model = AutoModelForCausalLM.from_pretrained(str(default_fp32.model_dir), dtype=torch.float32).eval()
     for text, ours in plain_outputs.items():
         ids = engine.encode(text, chat=True)
@@ -64,7 +64,9 @@ def test_plain_greedy_matches_transformers_generate(
 def test_speculative_greedy_is_token_identical_on_the_default_model(
     default_fp32: LoadedModel, plain_outputs: dict[str, list[int]], drafter: str, tree: str
 ) -> None:
-    engine = causaldraft.load(loaded=default_fp32, drafter=drafter, tree=tree, fallback=False, calibrate=False)
+    engine = causaldraft.load(
+        loaded=default_fp32, drafter=drafter, tree=tree, fallback=False, calibrate=False, compile=False
+    )
     for text in list(plain_outputs)[:2]:
         assert engine.generate(text, chat=True, max_new_tokens=48).token_ids == plain_outputs[text]
 

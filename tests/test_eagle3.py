@@ -109,7 +109,7 @@ def generated(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def plain(tiny: LoadedModel, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    engine = load(loaded=tiny, drafter="none", calibrate=False, compile=False)
     return [engine.generate(prompt, max_new_tokens=max_new_tokens).token_ids for prompt in prompts]
 
 
@@ -121,7 +121,7 @@ def test_greedy_output_is_token_identical_to_plain(
     directory = layer_dir(tiny, tmp_path / "eagle3")
     expected = plain(tiny, PROMPTS, 40)
     engine = load(loaded=tiny, drafter="eagle3", tree=tree, heads=str(directory), lookup_merge=lookup_merge,
-                  calibrate=False, fallback=False)  # fmt: skip
+                  calibrate=False, fallback=False, compile=False)  # fmt: skip
     for prompt, tokens in zip(PROMPTS, expected, strict=True):
         result = engine.generate(prompt, max_new_tokens=40)
         assert result.token_ids == tokens
@@ -134,7 +134,7 @@ def test_greedy_identity_with_fallback_and_cost_model(tiny: LoadedModel, tmp_pat
     Calibrated temperatures change the scores the tree and the cost model see, not the output."""
     directory = layer_dir(tiny, tmp_path / "eagle3", calibrated=calibrated)
     expected = plain(tiny, PROMPTS, 48)
-    engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), calibrate=True)
+    engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), calibrate=True, compile=False)
     for prompt, tokens in zip(PROMPTS, expected, strict=True):
         assert engine.generate(prompt, max_new_tokens=48).token_ids == tokens
 
@@ -173,7 +173,7 @@ def test_sampled_data_draws_from_the_targets_distribution(tiny: LoadedModel, tmp
 
 def test_batched_generation_equals_plain_decoding_and_its_features(tiny: LoadedModel, generated: Path) -> None:
     sequences = load_sequences(generated)
-    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    engine = load(loaded=tiny, drafter="none", calibrate=False, compile=False)
     assert len(sequences) == 7
     for seq in sequences:
         prompt = seq.tokens[: seq.prompt_length].tolist()
@@ -230,7 +230,7 @@ def test_decode_steps_draft_from_what_one_pass_over_the_output_gives(
     keeps them so. Lookup merges make multi-token steps."""
     directory = layer_dir(tiny, tmp_path / "eagle3")
     engine = load(loaded=tiny, drafter="eagle3", tree="chain", depth=3, heads=str(directory), calibrate=calibrate,
-                  fallback=calibrate)  # fmt: skip
+                  fallback=calibrate, compile=False)  # fmt: skip
     recorder = RootRecorder(engine.decoder.drafter)  # type: ignore[arg-type]
     engine.decoder = dataclasses.replace(engine.decoder, drafter=recorder)
     accepted = 0
@@ -321,7 +321,7 @@ def test_sampled_output_follows_the_exact_target_law(
 ) -> None:
     directory = layer_dir(tiny, tmp_path / "eagle3")
     engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree="static", depth=2,
-                  calibrate=False, fallback=False, adapt=False, sampler=sampler)  # fmt: skip
+                  calibrate=False, fallback=False, adapt=False, sampler=sampler, compile=False)  # fmt: skip
     prompt_ids = engine.encode(PROMPTS[0])
     sampling = SamplingConfig(temperature=1.0, top_k=4)
     law = exact_law(tiny_llama_dir, prompt_ids, sampling)
@@ -399,7 +399,7 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(
     aux_layers = default_aux_layers(loaded.backend.llama_shape.num_layers)
     store = GraphStore(GraphKey.of(loaded.backend, aux_layers), graph_root)
     compile_model(loaded.backend, buckets=(1, 4, 32), store=store)
-    plain_compiled = load(loaded=loaded, drafter="none", calibrate=False)
+    plain_compiled = load(loaded=loaded, drafter="none", calibrate=False, compile=False)
     assert plain_compiled.generate(PROMPTS[0], max_new_tokens=24).token_ids == expected[0]
     graphs = store.builds
     vocab_ids = torch.arange(0, 259, 2)
@@ -407,14 +407,20 @@ def test_compiled_target_serves_eagle3_features_from_the_same_graphs(
     assert layer.config.aux_layers == loaded.backend.graph_aux_layers
     save_layer(layer, tmp_path / "eagle3")
     spec = load(loaded=loaded, drafter="eagle3", heads=str(tmp_path / "eagle3"), calibrate=False, fallback=False,
-                max_nodes=4)  # fmt: skip
+                max_nodes=4, compile=False)  # fmt: skip
     for prompt, tokens in zip(PROMPTS[:2], expected, strict=True):
         assert spec.generate(prompt, max_new_tokens=24).token_ids == tokens
     assert store.builds == graphs
     # a layer reading a layer the graphs do not return would verify eagerly: refused, not silently inexact
     assert not set(AUX) <= set(aux_layers)
     with pytest.raises(CausalDraftError, match=r"compiled graphs return .*missing \(3,\)"):
-        load(loaded=loaded, drafter="eagle3", heads=str(layer_dir(loaded, tmp_path / "other")), calibrate=False)
+        load(
+            loaded=loaded,
+            drafter="eagle3",
+            heads=str(layer_dir(loaded, tmp_path / "other")),
+            calibrate=False,
+            compile=False,
+        )
 
 
 @pytest.mark.parametrize("calibrated", [False, True])
@@ -422,11 +428,11 @@ def test_gumbel_seeded_output_is_the_same_for_every_tree(tiny: LoadedModel, tmp_
     """Drafts ranked with the target's own noise: the tokens are plain seeded sampling's, whatever
     temperature scale the drafter ranks at."""
     directory = layer_dir(tiny, tmp_path / "eagle3", calibrated=calibrated)
-    plain_engine = load(loaded=tiny, drafter="none", calibrate=False)
+    plain_engine = load(loaded=tiny, drafter="none", calibrate=False, compile=False)
     for seed in (4, 5):
         expected = plain_engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.0, seed=seed).token_ids
         for tree in ("chain", "static", "dynamic"):
-            engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree=tree, calibrate=True)
+            engine = load(loaded=tiny, drafter="eagle3", heads=str(directory), tree=tree, calibrate=True, compile=False)
             assert engine.generate(PROMPTS[1], max_new_tokens=32, temperature=1.0, seed=seed).token_ids == expected
 
 

@@ -201,7 +201,7 @@ def assert_speculation_is_plain_decoding(
 ) -> None:
     """Greedy output of ``drafter`` with ``tree`` (random heads or layer where it needs one) equals plain
     decoding's on PROMPTS, token for token, and it really speculated."""
-    plain = load(loaded=loaded, drafter="none", calibrate=False)
+    plain = load(loaded=loaded, drafter="none", calibrate=False, compile=False)
     options: dict[str, object] = {"draft_layers": 2}
     if drafter in ("markov", "medusa"):
         options["heads"] = str(random_heads_dir(loaded, drafter, tmp_path / drafter))
@@ -223,9 +223,9 @@ def test_no_draft_tree_reaches_past_the_key_block(models: dict[str, LoadedModel]
     """The decode loop keeps every tree within ``pass_room``: over 200 tokens the passes cross
     block ends several times, and none is longer than the room left in its block."""
     loaded = models["bfloat16"]
-    spec = load(loaded=loaded, drafter="lookup", tree="chain", depth=8, calibrate=False, fallback=False)
+    spec = load(loaded=loaded, drafter="lookup", tree="chain", depth=8, calibrate=False, fallback=False, compile=False)
     result = spec.generate(PROMPTS[2] * 4, max_new_tokens=200)
-    plain = load(loaded=loaded, drafter="none", calibrate=False)
+    plain = load(loaded=loaded, drafter="none", calibrate=False, compile=False)
     assert result.token_ids == plain.generate(PROMPTS[2] * 4, max_new_tokens=200).token_ids
     assert max(step.nodes for step in result.stats.steps) > 2
 
@@ -287,8 +287,8 @@ def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
     default_int4_compiled: LoadedModel, drafter: str
 ) -> None:
     """The README's first command's setting (int4, compiled, measured cost model): token-identical."""
-    plain = load(loaded=default_int4_compiled, drafter="none")
-    spec = load(loaded=default_int4_compiled, drafter=drafter, tree="dynamic")
+    plain = load(loaded=default_int4_compiled, drafter="none", compile=False)
+    spec = load(loaded=default_int4_compiled, drafter=drafter, tree="dynamic", compile=False)
     prompts = ["Write a limerick about a cat who learns to code.", "List three uses of a paperclip, briefly.",
                "Explain why the sky is blue in two sentences."]  # fmt: skip
     for prompt in prompts:
@@ -343,8 +343,10 @@ def test_trees_stay_within_the_largest_compiled_bucket(tiny_llama_dir: Path, gra
     backend = backend_of(loaded)
     compile_model(backend, buckets=(1, 4), store=GraphStore(GraphKey.of(backend, ()), graph_root), progress=False)
     assert backend.pass_rows() == 4
-    spec = load(loaded=loaded, drafter="lookup", tree="dynamic", calibrate=False, fallback=False, lookup_depth=16)
-    plain = load(loaded=loaded, drafter="none", calibrate=False)
+    spec = load(
+        loaded=loaded, drafter="lookup", tree="dynamic", calibrate=False, fallback=False, lookup_depth=16, compile=False
+    )
+    plain = load(loaded=loaded, drafter="none", calibrate=False, compile=False)
     prompt = PROMPTS[2] * 4
     result = spec.generate(prompt, max_new_tokens=64)
     assert result.token_ids == plain.generate(prompt, max_new_tokens=64).token_ids

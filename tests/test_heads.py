@@ -56,7 +56,7 @@ def random_heads_dir(
 
 
 def plain_outputs(tiny: LoadedModel, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    engine = load(loaded=tiny, drafter="none", calibrate=False, compile=False)
     return [engine.generate(prompt, max_new_tokens=max_new_tokens).token_ids for prompt in prompts]
 
 
@@ -69,7 +69,7 @@ def test_random_heads_greedy_equivalence(
     heads_dir = random_heads_dir(tiny, kind, tmp_path / kind)
     expected = plain_outputs(tiny, PROMPTS, 40)
     engine = load(loaded=tiny, drafter=kind, tree=tree, heads=str(heads_dir), lookup_merge=lookup_merge,
-                  calibrate=False, fallback=False)  # fmt: skip
+                  calibrate=False, fallback=False, compile=False)  # fmt: skip
     for prompt, plain in zip(PROMPTS, expected, strict=True):
         result = engine.generate(prompt, max_new_tokens=40)
         assert result.token_ids == plain
@@ -78,7 +78,7 @@ def test_random_heads_greedy_equivalence(
 
 def test_seeded_sampling_is_reproducible(tiny: LoadedModel, tmp_path: Path) -> None:
     heads_dir = random_heads_dir(tiny, "markov", tmp_path / "markov")
-    engine = load(loaded=tiny, drafter="markov", heads=str(heads_dir), calibrate=False, fallback=False)
+    engine = load(loaded=tiny, drafter="markov", heads=str(heads_dir), calibrate=False, fallback=False, compile=False)
     first = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0.8, seed=123)
     second = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0.8, seed=123)
     other = engine.generate(PROMPTS[1], max_new_tokens=48, temperature=0.8, seed=124)
@@ -144,13 +144,13 @@ def test_auto_runs_the_trained_drafter_that_fits(tiny: LoadedModel, tmp_path: Pa
 
     # no --heads: prompt lookup
     assert auto_choice(tiny, DrafterOptions()) == "lookup"
-    assert load(loaded=tiny, calibrate=False).drafter_name == "lookup"
+    assert load(loaded=tiny, calibrate=False, compile=False).drafter_name == "lookup"
     for kind in ("markov", "medusa"):
         heads_dir = random_heads_dir(tiny, kind, tmp_path / kind)
-        engine = load(loaded=tiny, calibrate=False, heads=str(heads_dir))
+        engine = load(loaded=tiny, calibrate=False, heads=str(heads_dir), compile=False)
         assert engine.drafter_name == kind and isinstance(engine.decoder.drafter, HeadsDrafter)
     eagle3_dir = layer_dir(tiny, tmp_path / "eagle3")
-    assert load(loaded=tiny, calibrate=False, heads=str(eagle3_dir)).drafter_name == "eagle3"
+    assert load(loaded=tiny, calibrate=False, heads=str(eagle3_dir), compile=False).drafter_name == "eagle3"
     with pytest.raises(CausalDraftError, match="does not exist"):
         auto_choice(tiny, DrafterOptions(heads=str(tmp_path / "nowhere")))
     (tmp_path / "empty").mkdir()
@@ -164,10 +164,10 @@ def test_shipped_default_heads_match_plain_decoding() -> None:
     prompts = [json.loads(line)["turns"][0] for line in questions.read_text().splitlines()[:2]]
     target = load_model("default", "native", "float32")
     assert auto_choice(target, DrafterOptions()) == "lookup"  # the default drafter, even where trained heads fit
-    plain = load(loaded=target, drafter="none", calibrate=False)
+    plain = load(loaded=target, drafter="none", calibrate=False, compile=False)
     expected = [plain.generate(prompt, max_new_tokens=64, chat=True).token_ids for prompt in prompts]
     for kind in ("markov", "medusa"):
-        engine = load(loaded=target, drafter=kind, calibrate=False, fallback=False)
+        engine = load(loaded=target, drafter=kind, calibrate=False, fallback=False, compile=False)
         for prompt, tokens in zip(prompts, expected, strict=True):
             result = engine.generate(prompt, max_new_tokens=64, chat=True)
             assert result.token_ids == tokens
@@ -202,7 +202,9 @@ def test_drafting_feeds_every_head_as_training_does(tiny: LoadedModel, tmp_path:
 
     heads = load_heads(random_heads_dir(tiny, kind, tmp_path / kind), tiny.backend)
     prompt = tiny.tokenizer.encode(PROMPTS[1])
-    response = load(loaded=tiny, drafter="none", calibrate=False).generate(prompt, max_new_tokens=12).token_ids
+    response = (
+        load(loaded=tiny, drafter="none", calibrate=False, compile=False).generate(prompt, max_new_tokens=12).token_ids
+    )
     with torch.inference_mode():
         item = sequence_features(tiny.backend, prompt, response, 4)
     rows = item["tokens"].shape[0]

@@ -39,7 +39,7 @@ LONG_TOKENS = 4000
 
 
 def tiny_engine(model_dir: Path) -> Engine:
-    return load(model=str(model_dir), dtype="float32", drafter="lookup", calibrate=False)
+    return load(model=str(model_dir), dtype="float32", drafter="lookup", calibrate=False, compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -421,9 +421,9 @@ def test_serve_cli_flags() -> None:
 
 @pytest.mark.slow
 def test_default_model_chat_matches_engine() -> None:
-    engine = load(model="default", dtype="float32", drafter="lookup")
+    engine = load(model="default", dtype="float32", drafter="lookup", compile=False)
     expected = engine.generate("Name three colours.", max_new_tokens=24, chat=True)
-    app = create_app(load(model="default", dtype="float32", drafter="lookup"), model_name="default")
+    app = create_app(load(model="default", dtype="float32", drafter="lookup", compile=False), model_name="default")
     with BackgroundServer(app) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=300)
         messages: Any = [{"role": "user", "content": "Name three colours."}]

@@ -125,7 +125,7 @@ def tiny(tiny_llama_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def answers(tiny: LoadedModel) -> list[list[int]]:
-    engine = load(loaded=tiny, drafter="none", calibrate=False)
+    engine = load(loaded=tiny, drafter="none", calibrate=False, compile=False)
     return [engine.generate(prompt, max_new_tokens=40).token_ids for prompt in CORPUS_PROMPTS]
 
 
@@ -159,7 +159,7 @@ def test_files_round_trip_and_bad_stores_are_refused(tiny: LoadedModel, store_di
     with pytest.raises(CausalDraftError, match="outside the vocabulary"):
         load_store(foreign, fingerprint, vocab)
     with pytest.raises(CausalDraftError, match="does not exist"):
-        load(loaded=tiny, drafter="lookup", store=str(tmp_path / "nowhere"), calibrate=False)
+        load(loaded=tiny, drafter="lookup", store=str(tmp_path / "nowhere"), calibrate=False, compile=False)
 
 
 def context(tokens: tuple[int, ...], width: int = 1) -> DraftContext:
@@ -189,8 +189,16 @@ def test_lookup_proposes_the_store_s_continuation_and_learns_its_rate() -> None:
 
 
 def test_the_store_makes_lookup_accept_more(tiny: LoadedModel, store_dir: Path) -> None:
-    plain = load(loaded=tiny, drafter="lookup", tree="chain", calibrate=False, fallback=False)
-    stored = load(loaded=tiny, drafter="lookup", tree="chain", store=str(store_dir), calibrate=False, fallback=False)
+    plain = load(loaded=tiny, drafter="lookup", tree="chain", calibrate=False, fallback=False, compile=False)
+    stored = load(
+        loaded=tiny,
+        drafter="lookup",
+        tree="chain",
+        store=str(store_dir),
+        calibrate=False,
+        fallback=False,
+        compile=False,
+    )
     passes = {name: 0 for name in ("plain", "stored")}
     for prompt in CORPUS_PROMPTS:
         passes["plain"] += plain.generate(prompt, max_new_tokens=40).stats.target_forwards
@@ -209,7 +217,7 @@ def test_greedy_output_with_the_store_is_token_identical_to_plain(
     elif drafter != "lookup":
         heads = str(random_heads_dir(tiny, drafter, tmp_path / drafter))
     engine = load(loaded=tiny, drafter=drafter, tree=tree, heads=heads, store=str(store_dir), calibrate=False,
-                  fallback=False)  # fmt: skip
+                  fallback=False, compile=False)  # fmt: skip
     for prompt, expected in zip(CORPUS_PROMPTS, answers, strict=True):
         result = engine.generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected, (drafter, tree, prompt)
@@ -223,7 +231,7 @@ def test_sampled_output_with_the_store_follows_the_exact_target_law(
     """Also under seeded rejection sampling with adaptation on, where trees are cut by their scores
     (``DecodeConfig.untimed_min_score``, lowered so that some nodes of this untrained model pass)."""
     engine = load(loaded=tiny, drafter="lookup", tree="dynamic", depth=2, store=str(store_dir), calibrate=False,
-                  fallback=False, adapt=adapt, sampler=sampler)  # fmt: skip
+                  fallback=False, adapt=adapt, sampler=sampler, compile=False)  # fmt: skip
     decode = dataclasses.replace(engine.decoder.decode, untimed_min_score=MIN_SCORE)
     engine.decoder = dataclasses.replace(engine.decoder, decode=decode)
     pvalue, drafted = law_test(engine, tiny_llama_dir, {})

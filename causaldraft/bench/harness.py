@@ -35,7 +35,7 @@ class BenchConfig:
     prompts: str
     methods: tuple[str, ...]
     # the target and the engine settings every causaldraft method shares (compiled graphs by default)
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(compile=True))
+    engine: EngineConfig = field(default_factory=EngineConfig)
     temperature: float = 0.0
     max_new_tokens: int = 256
     limit: int | None = None
@@ -196,7 +196,7 @@ def run_bench(config: BenchConfig, progress: bool = True, loaded: LoadedModel | 
     questions = read_questions(config.prompts, config.limit, list(config.categories) or None)
     engine = config.engine
     target = loaded or load_model(engine.model, engine.backend, engine.dtype)
-    if engine.compile:
+    if engine.compiled:
         compile_backend(target)
     config = replace(config, engine=replace(engine, dtype=target.dtype))  # ``auto`` resolved: the report names it
     run = BenchRun(config, questions, model_dir=str(target.model_dir), fingerprint=target.fingerprint)

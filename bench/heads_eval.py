@@ -56,7 +56,7 @@ def main() -> None:
         options = dict(methods[name])
         if args.heads_root and options["drafter"] in ("markov", "medusa"):
             options["heads"] = str(Path(args.heads_root) / str(options["drafter"]))
-        engine = load(loaded=target, **options)  # type: ignore[arg-type]
+        engine = load(loaded=target, compile=False, **options)  # type: ignore[arg-type]
         engine.generate(prompts[0], max_new_tokens=16, chat=True)  # warm-up
         tokens = forwards = speculated = nodes = 0
         wall = draft = 0.0

@@ -97,7 +97,7 @@ def engine_for(loaded: LoadedModel, drafter: str, tmp_path: Path) -> Engine:
         options["heads"] = str(random_heads_dir(loaded, drafter, tmp_path / drafter))
     if drafter == "eagle3":
         options["heads"] = str(layer_dir(loaded, tmp_path / drafter))
-    return load(loaded=loaded, drafter=drafter, calibrate=False, fallback=False, **options)  # type: ignore[arg-type]
+    return load(loaded=loaded, drafter=drafter, calibrate=False, fallback=False, compile=False, **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)

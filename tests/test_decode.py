@@ -26,7 +26,13 @@ TREES = ["chain", "static", "dynamic"]
 
 
 def engine(directory: Path, drafter: str = "none", **options: object) -> Engine:
-    settings: dict[str, object] = {"dtype": "float32", "drafter": drafter, "draft_layers": 2, "calibrate": False}
+    settings: dict[str, object] = {
+        "dtype": "float32",
+        "drafter": drafter,
+        "draft_layers": 2,
+        "calibrate": False,
+        "compile": False,
+    }
     settings.update(options)
     return causaldraft.load(str(directory), **settings)  # type: ignore[arg-type]
 

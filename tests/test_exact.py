@@ -209,7 +209,7 @@ def assert_speculation_is_plain_decoding(
         backend = backend_of(loaded)
         aux_layers = backend.graph_aux_layers if backend.compiled else AUX
         options["heads"] = str(layer_dir(loaded, tmp_path / drafter, aux_layers=aux_layers))
-    spec = load(loaded=loaded, drafter=drafter, tree=tree, calibrate=False, fallback=False, **options)  # type: ignore[arg-type]
+    spec = load(loaded=loaded, drafter=drafter, tree=tree, calibrate=False, fallback=False, compile=False, **options)  # type: ignore[arg-type]
     drafted = 0
     for prompt in PROMPTS:
         expected = plain.generate(prompt, max_new_tokens=max_new_tokens).token_ids

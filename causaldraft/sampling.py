@@ -75,13 +75,21 @@ def gumbel_noise(seed: int, position: int, size: int) -> torch.Tensor:
 
 
 def gumbel_scores(logits: torch.Tensor, positions: list[int], sampling: SamplingConfig, seed: int) -> torch.Tensor:
-    """log(warped probabilities) + Gumbel noise: [n, vocab] (float32). ``positions[i]``: the absolute
-    position of the token row i samples (the row's own position + 1), the key drafters use too.
+    """Scores whose argmax per row is the row's Gumbel sample: [n, vocab] (float32). ``positions[i]``: the
+    absolute position of the token row i samples (the row's own position + 1), the key drafters use too.
 
-    Gumbel-max: argmax over a row is an exact sample of that row's warped distribution, and with
-    noise keyed by (seed, position) it is the very token plain seeded sampling draws there.
-    Example: probs [0.5, 0.3, 0.2, 0] and noise [0.1, 0.9, -0.2, 2.0] give scores
-    [-0.59, -0.30, -1.81, -inf]: token 1."""
-    log_probs = torch.log(warp_probs(logits, sampling))  # [n, vocab], -inf outside top-k/top-p
+    Gumbel-max: argmax over a row of log(warped probabilities) + Gumbel noise is an exact sample of that
+    row's warped distribution, and with noise keyed by (seed, position) it is the very token plain seeded
+    sampling draws there. Without top-k or top-p, the log-probabilities are (logits - max) / T less the
+    row's log-sum-exp, one constant per row that no argmax sees, so the scores leave it out (and the
+    softmax and log over the vocabulary, ~1.5 ms for an 8-row pass). With them, the tokens they drop
+    score -inf. Example: logits [2, 1.5, 1, -9] at T = 1 and noise [0.1, 0.9, -0.2, 2.0] give
+    [0.1, 0.4, -1.2, -9.0]: token 1."""
     noise = torch.stack([gumbel_noise(seed, position, logits.shape[-1]) for position in positions])
-    return log_probs + noise
+    if sampling.top_k == 0 and sampling.top_p >= 1.0:
+        logits = logits.float()
+        # shifted so the best logit is 0, as in ``warp_probs``: no overflow however small the temperature
+        scores = (logits - logits.max(-1, keepdim=True).values).div_(max(sampling.temperature, MIN_TEMPERATURE))
+    else:
+        scores = torch.log(warp_probs(logits, sampling))  # [n, vocab], -inf outside top-k/top-p
+    return scores.add_(noise)

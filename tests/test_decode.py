@@ -255,6 +255,39 @@ def law_test(spec: Engine, directory: Path, options: dict[str, float]) -> tuple[
     return float(chisquare(observed, expected).pvalue), drafted
 
 
+def first_token_law(directory: Path, prompt_ids: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """The target's law of the first generated token [vocab] (an fp32 full forward)."""
+    model = NativeLlama.from_pretrained(directory, torch.float32)
+    n = len(prompt_ids)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    logits = model.forward(torch.tensor(prompt_ids), torch.arange(n), mask, model.new_cache(n)).logits
+    return warp_probs(logits[-1], sampling)
+
+
+def pooled_pvalue(counts: Counter[int], law: torch.Tensor) -> float:
+    """Chi-square p-value of token counts against ``law`` [vocab], the tokens expected fewer than 5 times pooled."""
+    samples = sum(counts.values())
+    expected = law.double() * samples
+    kept = (expected >= 5).nonzero().flatten().tolist()
+    observed = [counts[token] for token in kept]
+    pooled = [samples - sum(observed), samples - float(expected[kept].sum())]
+    return float(chisquare([*observed, pooled[0]], [*expected[kept].tolist(), pooled[1]]).pvalue)
+
+
+def test_gumbel_sampling_without_top_k_or_top_p_follows_the_target_law(tiny_llama_dir: Path) -> None:
+    """Without top-k or top-p the Gumbel sampler scores (logits - max) / T + noise, with no softmax
+    (``sampling.gumbel_scores``; the law tests above all cut at top-k 4). The first token of a chain
+    drafter's verify passes follows the target's law at T = 0.5; the law at T = 1 is rejected."""
+    spec = engine(tiny_llama_dir, "draft", tree="chain", depth=2, fallback=False, adapt=False)
+    prompt_ids = spec.encode(PROMPTS[0])
+    samples = 2000
+    first = Counter(
+        spec.generate(prompt_ids, max_new_tokens=1, temperature=0.5, seed=seed).token_ids[0] for seed in range(samples)
+    )
+    assert pooled_pvalue(first, first_token_law(tiny_llama_dir, prompt_ids, SamplingConfig(temperature=0.5))) > 1e-4
+    assert pooled_pvalue(first, first_token_law(tiny_llama_dir, prompt_ids, SamplingConfig(temperature=1.0))) < 1e-4
+
+
 def test_naive_acceptance_fails_the_same_law_test(tiny_llama_dir: Path) -> None:
     spec = engine(tiny_llama_dir, "draft", tree="static", depth=2, width=3, fallback=False, adapt=False,
                   acceptance="naive")  # fmt: skip

@@ -1,0 +1,6 @@
+#!/bin/bash
+cd /work/main
+B=".venv/bin/causaldraft bench --prompts bench/prompts/mt-bench-8.jsonl --compile --max-new-tokens 256 --no-progress"
+$B --methods ar,lookup,markov:dynamic,eagle3:dynamic,llamacpp --dtype int4 --out runs/s41/final-int4 > runs/s41/final-int4.log 2>&1
+$B --methods ar,lookup,markov:dynamic,eagle3:dynamic,llamacpp --dtype bfloat16 --out runs/s41/final-bfloat16 > runs/s41/final-bfloat16.log 2>&1
+$B --methods ar,eagle3:dynamic,markov:dynamic --dtype bfloat16 --temperature 1 --seed 0 --out runs/s41/final-t1-bf16 > runs/s41/final-t1-bf16.log 2>&1

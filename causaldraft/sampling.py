@@ -17,13 +17,9 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
 
     Greedy (temperature 0) gives the one-hot distribution of the argmax.
     """
-    logits = logits.float()
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    # shifted so the best logit is 0 (no overflow however small the temperature; float32 cannot
-    # divide by a temperature below ~1e-38, where sampling is greedy in effect anyway)
-    shifted = logits - logits.max(-1, keepdim=True).values
-    scaled = shifted / max(sampling.temperature, MIN_TEMPERATURE)
+    scaled = scaled_logits(logits, sampling.temperature)
     if sampling.top_k > 0 and sampling.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]  # [..., 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -37,6 +33,14 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(logits - max) / T in float32 [..., vocab], a new tensor. Shifted so the best logit is 0: no overflow
+    however small the temperature (float32 cannot divide by one below ~1e-38, where sampling is greedy in
+    effect anyway; ``MIN_TEMPERATURE``)."""
+    logits = logits.float()
+    return (logits - logits.max(-1, keepdim=True).values).div_(max(temperature, MIN_TEMPERATURE))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -87,9 +91,7 @@ def gumbel_scores(logits: torch.Tensor, positions: list[int], sampling: Sampling
     [0.1, 0.4, -1.2, -9.0]: token 1."""
     noise = torch.stack([gumbel_noise(seed, position, logits.shape[-1]) for position in positions])
     if sampling.top_k == 0 and sampling.top_p >= 1.0:
-        logits = logits.float()
-        # shifted so the best logit is 0, as in ``warp_probs``: no overflow however small the temperature
-        scores = (logits - logits.max(-1, keepdim=True).values).div_(max(sampling.temperature, MIN_TEMPERATURE))
+        scores = scaled_logits(logits, sampling.temperature)
     else:
         scores = torch.log(warp_probs(logits, sampling))  # [n, vocab], -inf outside top-k/top-p
     return scores.add_(noise)

@@ -16,6 +16,7 @@ from causaldraft.models.hf import HFBackend
 from causaldraft.models.loading import (
     file_sha256,
     holds_conversion_of,
+    install_conversion,
     load_model,
     read_source_record,
     source_identity,
@@ -186,6 +187,30 @@ def test_a_converted_folder_is_reused_only_for_the_bytes_it_was_converted_from(t
     (converted / "causaldraft_source.json").write_text("{not json")
     assert read_source_record(converted) == {}
     assert not holds_conversion_of(converted, moved)
+
+
+def test_a_conversion_lands_whole_and_one_another_process_finished_stays(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)))
+
+    def conversion(name: str, marker: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(marker)
+        write_source_record(folder, {**source_identity(gguf), "sha256": file_sha256(gguf)})
+        return folder
+
+    out_dir = tmp_path / "models" / "m"
+    out_dir.parent.mkdir()
+    install_conversion(conversion("first", "1"), out_dir, gguf)  # nothing there yet
+    assert (out_dir / "config.json").read_text() == "1"
+    second = conversion("second", "2")
+    install_conversion(second, out_dir, gguf)  # another process's conversion of these bytes landed first: kept
+    assert (out_dir / "config.json").read_text() == "1" and second.is_dir()  # (convert_gguf deletes its own)
+    gguf.write_bytes(b"GGUF" + bytes(range(255, -1, -1)))  # another file: the old conversion is replaced
+    install_conversion(conversion("third", "3"), out_dir, gguf)
+    assert (out_dir / "config.json").read_text() == "3"
+    assert [item.name for item in out_dir.parent.iterdir()] == ["m"]  # nothing left aside
 
 
 def test_unknown_dtype_and_backend_are_clear_errors(tiny_llama_dir: Path) -> None:

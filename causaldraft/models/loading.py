@@ -65,9 +65,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         model.save_pretrained(str(work))
         tokenizer.save_pretrained(str(work))
         write_source_record(work, {**source_identity(gguf_path), "sha256": file_sha256(gguf_path)})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        work.rename(out_dir)
+        install_conversion(work, out_dir, gguf_path)
     except CausalDraftError:
         raise
     except Exception as error:  # gguf/transformers raise many types for bad files
@@ -76,6 +74,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
     return out_dir
+
+
+def install_conversion(work: Path, out_dir: Path, gguf_path: Path) -> None:
+    """Move the finished conversion ``work`` to ``out_dir``, where another process may be converting the same
+    file at once (parallel first loads). A conversion of the file already there stays and ``work`` is
+    dropped; an older folder is moved aside in one rename, then deleted, so no reader meets half of one."""
+    if holds_conversion_of(out_dir, gguf_path):
+        return
+    aside = Path(tempfile.mkdtemp(prefix=".stale-", dir=out_dir.parent))
+    try:
+        try:
+            out_dir.rename(aside / "old")
+        except FileNotFoundError:
+            pass  # nothing there, or another process moved it first
+        try:
+            work.rename(out_dir)
+        except OSError:
+            if not holds_conversion_of(out_dir, gguf_path):  # not another process's conversion landing first
+                raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 SOURCE_RECORD = "causaldraft_source.json"

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from causaldraft.config import DTYPES, TreeConfig
+from causaldraft.config import DTYPES, SamplingConfig, TreeConfig, validate_max_new_tokens
 from causaldraft.errors import CausalDraftError
 from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_config
 
@@ -15,6 +15,9 @@ from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_f
 def run_generate(args: argparse.Namespace) -> int:
     from causaldraft.api import load
 
+    # the request's values are checked before any model loads: a bad one costs no load
+    validate_max_new_tokens(args.max_new_tokens)
+    SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     engine = load(engine_config(args))
     options = {
         "max_new_tokens": args.max_new_tokens,

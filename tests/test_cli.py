@@ -68,6 +68,20 @@ def test_bad_input_is_one_clear_line(
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--top-p", "2"], "top_p"), (["--max-new-tokens", "0"], "max_new_tokens"),
+     (["--temperature", "nan"], "temperature"), (["--top-k", "-1"], "top_k")],
+)  # fmt: skip
+def test_bad_request_values_are_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """The model path does not exist: the request's own error comes first, so no model was looked for."""
+    code = main(["generate", "--prompt", "x", "--model", str(tmp_path / "missing"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "does not exist" not in err
+
+
 def test_missing_model_from_a_real_process_is_one_line(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "causaldraft.cli", "generate", "--prompt", "x", "--model",
                              str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)  # fmt: skip

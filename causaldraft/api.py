@@ -24,7 +24,7 @@ from causaldraft.adapt import (
     plausible_calibration,
 )
 from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
-from causaldraft.decode import Decoder, DecodeState, GenerationStats, decode_steps, prefill
+from causaldraft.decode import Decoder, DecodeState, GenerationStats, PromptRead, decode_steps
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache
@@ -104,11 +104,13 @@ class Engine:
         chat: bool = False,
         decoder: Decoder | None = None,
         cache: Cache | None = None,
+        read_prompt: bool = True,
     ) -> RequestRun:
         """Check a request, prefill its prompt and return its run, ready for decoding steps
         (``events`` drives one; a ``batch.Batch`` drives several together). ``decoder`` and
         ``cache``: a batched stream's own drafter and pool slot (default: the engine's, a new cache).
-        Raises CausalDraftError for bad input."""
+        ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
+        chunk per step). Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
@@ -124,16 +126,19 @@ class Engine:
         seeded = seed is not None and not sampling.greedy and not gumbel
         threads = None if seeded else self.threads
         started = time.perf_counter()
-        with prompt_on(threads):  # all threads, whatever the steps run on (``ThreadPolicy.prompt``)
-            state = prefill(decoder, prompt_ids, max_new_tokens, generator, cache)
+        prompt_read = PromptRead(decoder, prompt_ids, max_new_tokens, generator, cache)
+        state = prompt_read.state
         if gumbel:
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
         adapt = initial_adapt_state(decoder.tree, timed=False) if seeded else self.adapt
         if decoder is not self.decoder:
             adapt = copy.deepcopy(adapt)  # a batched stream adapts on its own
         policy = BudgetPolicy(decoder.tree, decoder.decode, decoder.cost, adapt)
-        return RequestRun(decoder, state, policy, sampling, max_new_tokens, TextTracker(self.tokenizer, stops),
-                          len(prompt_ids), started, threads)  # fmt: skip
+        run = RequestRun(decoder, state, policy, sampling, max_new_tokens, TextTracker(self.tokenizer, stops),
+                         len(prompt_ids), started, threads, prompt_read)  # fmt: skip
+        if read_prompt:
+            run.read_prompt()
+        return run
 
     def events(self, prompt: str | Sequence[int], **options: Any) -> Iterator[StreamPiece | Completion]:
         """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
@@ -185,11 +190,26 @@ class RequestRun:
     started: float
     threads: ThreadPolicy | None  # the engine's, or None: torch's count (a seeded request, whose drafter's
     # numbers, and so its random draws, must not depend on the machine's load)
+    prompt: PromptRead  # the prompt's prefill, read before the first step
     kept_tokens: int = 0
 
     @property
     def done(self) -> bool:
         return self.state.finished or self.text.stopped
+
+    @property
+    def reading(self) -> bool:
+        """The prompt is not all cached yet: no decoding step may run."""
+        return not self.prompt.done
+
+    def read_prompt(self, rows: int | None = None) -> int:
+        """Cache the prompt's next chunks, on all threads (``ThreadPolicy.prompt``), until at least ``rows``
+        rows are read (None: the whole prompt); returns the rows read."""
+        read = 0
+        with prompt_on(self.threads):
+            while not self.prompt.done and (rows is None or read < rows):
+                read += self.prompt.advance()
+        return read
 
     def absorb(self, emitted: list[int]) -> list[StreamPiece]:
         """A step's emitted tokens -> the text that may be shown (a stop string ends it there)."""

@@ -12,8 +12,10 @@ A ``Batch`` holds up to ``size`` streams (requests being decoded), each with its
    backend without batch passes, runs its own pass;
 3. each stream accepts, commits and emits on its own.
 
-Streams join (``add``: the prompt's prefill runs as its own pass) and leave (``remove``) between
-steps. Every row of a batch pass is bit for bit the row of the stream's own pass
+Streams join (``add``) and leave (``remove``) between steps. A joining stream's prompt is read
+before its first step, in chunks of ``decode.PROMPT_CHUNK`` rows, at most ``PROMPT_ROWS_PER_STEP``
+rows at the start of each step, so a long prompt delays the other streams' steps by a chunk's pass,
+not by its whole prefill. Every row of a batch pass is bit for bit the row of the stream's own pass
 (docs/exactness.md), so a stream's greedy or Gumbel-sampled output is the same whatever else runs.
 """
 
@@ -35,7 +37,7 @@ from causaldraft.adapt import (
 )
 from causaldraft.api import Completion, Engine, Generation, RequestRun, StreamPiece
 from causaldraft.cache import CachePool
-from causaldraft.decode import StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
+from causaldraft.decode import PROMPT_CHUNK, StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
 from causaldraft.drafters.base import Draft
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import ForwardOutput
@@ -44,6 +46,8 @@ from causaldraft.models.native import NativeLlama, SequencePass
 from causaldraft.threads import step_on
 
 Event = StreamPiece | Completion
+
+PROMPT_ROWS_PER_STEP = PROMPT_CHUNK  # prompt rows a step reads for joining streams before its pass
 
 
 @dataclass
@@ -101,8 +105,8 @@ class Batch:
         return self.size - len(self.streams)
 
     def add(self, prompt: str | Sequence[int], **options: Any) -> Stream:
-        """Start a stream (checks the request, prefills its prompt); raises CausalDraftError for
-        bad input or a full batch, leaving the batch as it was."""
+        """Start a stream (checks the request; the steps read its prompt); raises CausalDraftError
+        for bad input or a full batch, leaving the batch as it was."""
         if self.free < 1:
             raise CausalDraftError(f"the batch is full ({self.size} streams)")
         engine = self.engine
@@ -110,7 +114,7 @@ class Batch:
         slot = self.pool.take() if self.pool is not None else None
         try:
             cache = self.pool.caches[slot] if self.pool is not None and slot is not None else None
-            run = engine.start(prompt, decoder=decoder, cache=cache, **options)
+            run = engine.start(prompt, decoder=decoder, cache=cache, read_prompt=False, **options)
         except BaseException:
             if self.pool is not None and slot is not None:
                 self.pool.release(slot)
@@ -133,7 +137,10 @@ class Batch:
     def step(self) -> list[Stream]:
         """One decoding step of every live stream; returns the streams that finished in it (still
         in the batch until removed, their ``events`` ending with a Completion)."""
+        self.last_step = None
         live = [stream for stream in self.streams if not stream.done]
+        self.read_prompts([stream for stream in live if stream.run.reading])
+        live = [stream for stream in live if not stream.run.reading]
         if not live:
             return []
         # the engine's thread policy, unless a seeded stream needs numbers independent of the load
@@ -147,6 +154,15 @@ class Batch:
             expected = self.baseline(report.rows) if shared else self.engine.threads.baseline(report.rows)
             threads.observe(report.seconds, expected)
         return finished
+
+    def read_prompts(self, reading: list[Stream]) -> None:
+        """Read joining streams' prompts, oldest first, until ``PROMPT_ROWS_PER_STEP`` rows are read
+        (a stream's chunks are fixed by its prompt, whatever else runs)."""
+        budget = PROMPT_ROWS_PER_STEP
+        for stream in reading:
+            if budget <= 0:
+                return
+            budget -= stream.run.read_prompt(budget)
 
     def advance(self, live: list[Stream]) -> list[Stream]:
         """``step``'s work on the live streams: draft, one verify pass, accept, commit."""

@@ -103,43 +103,86 @@ class Decoder:
     prefill_target: Backend | None = None  # reads the prompt instead of ``target`` (same cache kind)
 
 
+PROMPT_CHUNK = 256  # prompt rows per prefill pass
+
+
+class PromptRead:
+    """A prompt being cached in passes of at most ``PROMPT_CHUNK`` rows, so a long one can be read a
+    chunk at a time between other requests' steps (``batch.Batch``) and never holds attention scores
+    over the whole prompt at once. The chunks' bounds depend on the prompt alone, so plain and
+    speculative decoding, alone or batched, start from the same cache. ``state`` is ready for
+    decoding steps once ``done``.
+
+    Checks the request first (CausalDraftError): an empty prompt, or one that with max_new_tokens
+    overruns the context; ``cache``, when given, must be empty (a batch's pool slot)."""
+
+    def __init__(
+        self, decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None,
+        cache: Cache | None = None,
+    ) -> None:  # fmt: skip
+        if not prompt:
+            raise CausalDraftError("the prompt is empty")
+        limit = decoder.target.shape.max_positions
+        if len(prompt) + max_new_tokens > limit:
+            raise CausalDraftError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                f"context of {limit} tokens"
+            )
+        needed = len(prompt) + max_new_tokens + decoder.tree.max_nodes + 1
+        if cache is None:
+            cache = decoder.target.new_cache(needed)
+        elif cache.length or cache.max_len < needed:
+            raise CausalDraftError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the batch's "
+                f"context of {cache.max_len} tokens per sequence"
+            )
+        self.decoder = decoder
+        self.state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
+        self.features: list[torch.Tensor] = []  # the drafter's features of the rows read so far
+        self.done = False
+
+    @property
+    def rows_left(self) -> int:
+        """Prompt tokens still to be cached (all but the last, which is the first step's root)."""
+        return self.state.prompt_length - 1 - self.state.cache.length
+
+    def advance(self) -> int:
+        """Cache the next chunk (the drafter starts after the last one); returns the rows read."""
+        if self.done:
+            return 0
+        started = time.perf_counter()
+        state, decoder = self.state, self.decoder
+        length, count = state.cache.length, min(PROMPT_CHUNK, self.rows_left)
+        if count:
+            tokens = torch.tensor(state.tokens[length : length + count], dtype=torch.long)
+            mask = torch.ones(count, length + count, dtype=torch.bool)
+            mask[:, length:] = mask[:, length:].tril()
+            reader = decoder.prefill_target or decoder.target
+            out = reader.forward(
+                tokens, torch.arange(length, length + count), mask, state.cache, torch.tensor([count - 1]),
+                decoder.drafter.feature_layers,
+            )  # fmt: skip
+            state.hidden = out.hidden[-1]
+            if out.aux is not None:
+                self.features.append(out.aux)
+        if not self.rows_left:
+            features = torch.cat(self.features) if self.features else None
+            decoder.drafter.start(tuple(state.tokens), features)
+            self.features, self.done = [], True
+        state.stats.prefill_s += time.perf_counter() - started
+        return count
+
+
 def prefill(
     decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None,
     cache: Cache | None = None,
 ) -> DecodeState:  # fmt: skip
     """Cache every prompt token but the last, which becomes the first step's root (in ``cache``,
     empty, when given: a batch's pool slot; else a new one sized for the request)."""
-    if not prompt:
-        raise CausalDraftError("the prompt is empty")
-    limit = decoder.target.shape.max_positions
-    if len(prompt) + max_new_tokens > limit:
-        raise CausalDraftError(
-            f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
-            f"context of {limit} tokens"
-        )
-    needed = len(prompt) + max_new_tokens + decoder.tree.max_nodes + 1
-    if cache is None:
-        cache = decoder.target.new_cache(needed)
-    elif cache.length or cache.max_len < needed:
-        raise CausalDraftError(
-            f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the batch's "
-            f"context of {cache.max_len} tokens per sequence"
-        )
-    state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
-    started = time.perf_counter()
-    count = len(prompt) - 1
-    features = None
-    if count:
-        tokens = torch.tensor(prompt[:-1], dtype=torch.long)
-        mask = torch.ones(count, count, dtype=torch.bool).tril()
-        reader = decoder.prefill_target or decoder.target
-        out = reader.forward(
-            tokens, torch.arange(count), mask, cache, torch.tensor([count - 1]), decoder.drafter.feature_layers
-        )
-        state.hidden, features = out.hidden[-1], out.aux
-    decoder.drafter.start(tuple(prompt), features)
-    state.stats.prefill_s = time.perf_counter() - started
-    return state
+    read = PromptRead(decoder, prompt, max_new_tokens, generator, cache)
+    while not read.done:
+        read.advance()
+    return read.state
 
 
 def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampling: SamplingConfig) -> Draft:

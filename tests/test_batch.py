@@ -12,7 +12,7 @@ import torch
 
 from causaldraft.adapt import VerifyCost
 from causaldraft.api import Engine, load
-from causaldraft.batch import Batch, generate_batch
+from causaldraft.batch import PROMPT_ROWS_PER_STEP, Batch, generate_batch
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import bf16_choice, int4_kernel
 from causaldraft.models.blocked import KEY_BLOCK, pass_room
@@ -126,6 +126,30 @@ def test_seeded_sampling_in_a_batch_is_the_streams_own(models: dict[str, LoadedM
         batch.step()
     got = [[token for event in stream.events for token in getattr(event, "token_ids", [])] for stream in streams]
     assert got == expected[:4]
+
+
+def test_a_long_prompt_joins_a_chunk_per_step_while_the_others_decode(models: dict[str, LoadedModel]) -> None:
+    """A prompt of two chunks is read over two steps, and the stream already running emits tokens in
+    each of them; both outputs are what each gets alone."""
+    engine = load(loaded=models["bfloat16"], drafter="lookup", calibrate=False, compile=False)
+    short, long = PROMPTS[1], "the quick brown fox jumps over the lazy dog. " * 11  # 495 bytes
+    expected = [engine.generate(prompt, max_new_tokens=12).token_ids for prompt in (short, long)]
+    batch = Batch(engine, 2, context=512)
+    running = batch.add(short, max_new_tokens=12)
+    batch.step()
+    joining = batch.add(long, max_new_tokens=12)
+    assert joining.run.prompt.rows_left > PROMPT_ROWS_PER_STEP
+    for _ in range(2):
+        emitted = len(running.events)
+        assert joining.run.reading
+        batch.step()
+        assert len(running.events) > emitted or running.done
+    assert not joining.run.reading
+    while not (running.done and joining.done):
+        batch.step()
+    got = [[token for event in stream.events for token in getattr(event, "token_ids", [])]
+           for stream in (running, joining)]  # fmt: skip
+    assert got == expected
 
 
 def test_bad_input_and_a_full_batch_leave_the_batch_as_it_was(models: dict[str, LoadedModel]) -> None:

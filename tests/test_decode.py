@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import causaldraft
 from causaldraft.api import Engine
 from causaldraft.config import SamplingConfig
+from causaldraft.decode import PROMPT_CHUNK, PromptRead
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import warp_probs
@@ -95,6 +96,27 @@ def test_plain_greedy_matches_transformers_generate(tiny_llama_dir: Path) -> Non
         with torch.no_grad():
             expected = model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids) :]
         assert plain.generate(prompt, max_new_tokens=30).token_ids == expected.tolist()
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_prompt_read_in_chunks_caches_what_one_pass_over_it_gives(tiny_llama_dir: Path, backend: str) -> None:
+    """A prompt longer than a chunk is read in two passes; the root's logits through that cache, and the
+    hidden state that predicted it, are transformers' over the whole prompt at once."""
+    plain = engine(tiny_llama_dir, backend=backend)
+    ids = [3 + (index * 7919) % 256 for index in range(PROMPT_CHUNK + 100)]
+    read = PromptRead(plain.decoder, ids, 1, None)
+    passes = 0
+    while not read.done:
+        passes += int(read.advance() > 0)
+    assert passes == 2 and read.state.cache.length == len(ids) - 1
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        whole = model(torch.tensor([ids]), output_hidden_states=True)
+    root = plain.decoder.target.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]),
+                                        torch.ones(1, len(ids), dtype=torch.bool), read.state.cache)  # fmt: skip
+    torch.testing.assert_close(root.logits[0], whole.logits[0, -1], atol=1e-4, rtol=1e-4)
+    assert read.state.hidden is not None
+    torch.testing.assert_close(read.state.hidden, whole.hidden_states[-1][0, -2], atol=1e-4, rtol=1e-4)
 
 
 def test_eos_accepted_mid_block_ends_the_output_there(

@@ -21,6 +21,7 @@ from causaldraft.adapt import DepthGate, VerifyCost, initial_adapt_state
 from causaldraft.api import load
 from causaldraft.cli import main
 from causaldraft.config import SamplingConfig, TreeConfig
+from causaldraft.decode import PROMPT_CHUNK
 from causaldraft.drafters.base import DraftContext
 from causaldraft.drafters.eagle3 import Eagle3Drafter, RootRecorder, load_eagle3_drafter, teacher_forced_rows
 from causaldraft.drafters.eagle3_model import (
@@ -227,14 +228,17 @@ def test_decode_steps_draft_from_what_one_pass_over_the_output_gives(
     with ``calibrate``): at every step the row proposing the root's children must equal that row of one
     teacher-forced layer pass over prompt + output, with the features of one plain target pass (what training
     sees). On the real model they were equal at every MT-bench step (stop 37, ``bench/eagle3_replay.py``); this
-    keeps them so. Lookup merges make multi-token steps."""
+    keeps them so. Lookup merges make multi-token steps. The last prompt is read in two chunks, whose
+    features the drafter gets together."""
     directory = layer_dir(tiny, tmp_path / "eagle3")
     engine = load(loaded=tiny, drafter="eagle3", tree="chain", depth=3, heads=str(directory), calibrate=calibrate,
                   fallback=calibrate, compile=False)  # fmt: skip
     recorder = RootRecorder(engine.decoder.drafter)  # type: ignore[arg-type]
     engine.decoder = dataclasses.replace(engine.decoder, drafter=recorder)
     accepted = 0
-    for prompt in PROMPTS:
+    long_prompt = "the quick brown fox jumps over the lazy dog. " * 7  # 315 bytes
+    assert len(engine.encode(long_prompt)) > PROMPT_CHUNK + 1
+    for prompt in [*PROMPTS, long_prompt]:
         result = engine.generate(prompt, max_new_tokens=40)
         accepted = max(accepted, *(step.accepted for step in result.stats.steps))
         tokens = engine.encode(prompt) + result.token_ids

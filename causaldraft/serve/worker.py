@@ -3,8 +3,9 @@
 The engine is not thread-safe, so only this thread touches it. Prompts are tokenized and checked
 against the context before a job is queued (``prepare``, on another thread), so a huge or invalid
 request never stalls the engine. The thread keeps up to ``max_batch`` jobs in a ``batch.Batch``:
-each loop admits waiting jobs while there is room (their prefill runs then), runs one decoding step
-of every active job in one target pass, and delivers what each produced. A job reports events
+each loop admits waiting jobs while there is room, runs one step of the batch (a chunk of the
+joining jobs' prompts, then one decoding step of every job whose prompt is read, in one target
+pass), and delivers what each produced. A job reports events
 through a thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``Piece`` (text delta),
 then exactly one of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client
 went away) leaves the batch at the next step, or is skipped if it has not started yet.

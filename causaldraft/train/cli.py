@@ -21,7 +21,7 @@ from causaldraft.train.trainer import TrainConfig
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     recipe = Recipe(model="default", prompts=(), kind="markov", out=Path("."))
     generation, training = GenerationConfig(), TrainConfig()
-    parser = commands.add_parser("train-heads", help="train markov/medusa draft heads by self-distillation")
+    parser = commands.add_parser("train-heads", help="train markov/medusa heads or an eagle3 layer (self-distillation)")
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompts", nargs="+", required=True, type=Path, help="prompt files (.json/.jsonl/.txt)")
     parser.add_argument("--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov")

@@ -167,9 +167,18 @@ def test_sampled_data_draws_from_the_targets_distribution(tiny: LoadedModel, tmp
         int((seq.tokens[seq.prompt_length :] != seq.topk_ids[:, 0]).sum()) for seq in runs[0]
     )  # fmt: skip
     assert off_greedy > 0
-    with pytest.raises(CausalDraftError, match="holds feature data made differently"):
+    with pytest.raises(CausalDraftError, match="holds data made differently"):
         greedy = FeatureGenConfig(tokens=10_000, max_new_tokens=24, top_k=4, seed=5)
         generate_features(tiny.backend, tiny.tokenizer, [prompts], tmp_path / "data", AUX, greedy, tiny.fingerprint)
+    other = tmp_path / "other.txt"
+    other.write_text("a prompt the data was not made from\n")
+    with pytest.raises(CausalDraftError, match="holds data made differently \\(prompts"):
+        generate_features(tiny.backend, tiny.tokenizer, [other], tmp_path / "data", AUX, config, tiny.fingerprint)
+    record = tmp_path / "data" / "meta.json"
+    meta = json.loads(record.read_text())
+    record.write_text(json.dumps({key: value for key, value in meta.items() if key != "prompts"}))
+    generate_features(tiny.backend, tiny.tokenizer, [prompts], tmp_path / "data", AUX, config, tiny.fingerprint)
+    assert json.loads(record.read_text()) == meta  # a folder from before prompts were recorded: taken, completed
 
 
 def test_batched_generation_equals_plain_decoding_and_its_features(tiny: LoadedModel, generated: Path) -> None:

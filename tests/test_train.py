@@ -66,6 +66,30 @@ def test_cut_at_eos() -> None:
     assert cut_at_eos([5, 6], 2) == [5, 6]
 
 
+def test_a_work_folder_refuses_data_of_another_model_or_other_prompts(
+    trained: dict[str, Path], tiny_llama_dir: Path, tiny_qwen_dir: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Rerunning train-heads on the fixture's --work with another model, other prompts, longer answers or
+    another dtype is refused before anything is generated or trained: it once resumed the old data and
+    stamped heads trained on one model with another's fingerprint."""
+    other_prompts = tmp_path / "other.txt"
+    other_prompts.write_text("a prompt the fixture never saw\nand another one\n")
+    base = {"--model": str(tiny_llama_dir), "--prompts": str(write_prompts(tmp_path)), "--max-new-tokens": "48",
+            "--dtype": "float32"}  # fmt: skip
+    changes = [({"--model": str(tiny_qwen_dir)}, "fingerprint"), ({"--prompts": str(other_prompts)}, "prompts"),
+               ({"--max-new-tokens": "64"}, "max_new_tokens"), ({"--dtype": "bfloat16"}, "dtype")]  # fmt: skip
+    for change, named in changes:
+        flags = [item for pair in {**base, **change}.items() for item in pair]
+        code = main(["train-heads", *flags, "--heads", "markov", "--num-heads", "3", "--draft-vocab", "160",
+                     "--tokens", "1200", "--gen-batch-size", "8", "--steps", "40", "--batch-size", "128",
+                     "--work", str(trained["work"]), "--out", str(tmp_path / "heads")])  # fmt: skip
+        assert code == 2, change
+        error = capsys.readouterr().err
+        assert "holds data made differently" in error and named in error, error
+        assert not (tmp_path / "heads").exists()
+
+
 def test_feature_segments_follow_the_documented_layout(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
     work = trained["work"]
     shard = torch.load(sorted((work / "gen").glob("shard_*.pt"))[0], weights_only=True)

@@ -5,11 +5,14 @@ Prompts come from ShareGPT files (JSON arrays; first human turn), JSONL files wi
 Generation is batched greedy decoding with transformers (left padding); each response is cut at
 its first EOS (the pad token of SmolLM2 is the end-of-turn token, so padding and EOS coincide).
 Shards of a few batches are written to ``<work>/gen/shard_XXXXX.pt``; a rerun resumes after the
-last shard and stops once ``tokens`` response tokens exist.
+last shard and stops once ``tokens`` response tokens exist. A data folder's ``meta.json`` says what
+its sequences depend on (``check_meta``), so a rerun never resumes from another model's or other
+prompts' data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -90,6 +93,48 @@ def mix_prompts(files: Sequence[Path], seed: int) -> list[str]:
     return mixed
 
 
+META_FILE = "meta.json"
+
+
+def check_meta(directory: Path, meta: dict[str, object], added: tuple[str, ...] = ()) -> None:
+    """A data folder holds data made with ``meta`` (model fingerprint, prompts, settings), or none yet:
+    another model's or other prompts' data is refused, never resumed. ``added``: keys a folder made before
+    they were recorded lacks; such a folder whose other keys agree is taken, and its record completed. A
+    folder with shards but no record at all (made before records) is taken the same way."""
+    path = directory / META_FILE
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise CausalDraftError(
+                f"{path} is unreadable ({error}); delete {directory} to make its data again"
+            ) from error
+        older = {key: value for key, value in meta.items() if key not in added or key in saved}
+        if saved != meta and saved != older:
+            changed = sorted(key for key in {*saved, *meta} if saved.get(key) != meta.get(key))
+            raise CausalDraftError(
+                f"{directory} holds data made differently ({', '.join(changed)}: {[saved.get(k) for k in changed]} "
+                f"vs {[meta.get(k) for k in changed]}); use another --work, or delete it"
+            )
+        if saved == meta:
+            return
+    directory.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(meta, indent=2) + "\n")
+    path.with_suffix(".tmp").rename(path)
+
+
+def read_meta(directory: Path) -> dict[str, object] | None:
+    """A data folder's record (``check_meta``), None without one."""
+    path = directory / META_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
+    """A short digest of the encoded training prompts, in order (files, order seed, tokenizer and
+    length limit all show in it)."""
+    return hashlib.sha256(json.dumps([list(prompt) for prompt in prompts]).encode()).hexdigest()[:16]
+
+
 def order_suffix(seed: int) -> str:
     """The name suffix of a prompt order's data folders: none for order 0 (the original names), so
     work caches made before orders existed still resume, ``-seedN`` otherwise."""
@@ -152,19 +197,23 @@ def load_sequences(gen_dir: Path) -> Sequences:
     return Sequences(prompts, responses)
 
 
-def generate_data(model_dir: Path, prompt_files: Sequence[Path], gen_dir: Path, config: GenerationConfig) -> Sequences:
-    """Generate (or resume generating) self-distillation data until ``config.tokens`` tokens exist."""
+def generate_data(
+    model_dir: Path, prompt_files: Sequence[Path], gen_dir: Path, config: GenerationConfig, fingerprint: str
+) -> Sequences:
+    """Generate (or resume generating) self-distillation data until ``config.tokens`` tokens exist.
+    ``fingerprint``: the model's (``heads.base_fingerprint``), recorded with the prompts and response length."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gen_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
+    meta = {"fingerprint": fingerprint, "prompts": prompts_digest(prompts), "max_new_tokens": config.max_new_tokens}
+    check_meta(gen_dir, meta)
     done = load_sequences(gen_dir)
     if done.response_tokens >= config.tokens:
         return done
     torch.set_num_threads(config.threads)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     eos_id = int(tokenizer.eos_token_id)
     pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos_id
-    prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
     model.eval()
     per_shard = config.batch_size * config.batches_per_shard

@@ -22,7 +22,6 @@ those prompts and stops once ``tokens`` response tokens exist (resumable after a
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -36,9 +35,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import BatchCache, batched_forward
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import mix_seed
-from causaldraft.train.data import encode_prompts, mix_prompts, shard_paths
-
-META_FILE = "meta.json"
+from causaldraft.train.data import check_meta, encode_prompts, mix_prompts, prompts_digest, shard_paths
 
 
 @dataclass(frozen=True)
@@ -126,20 +123,6 @@ class ShardWriter:
         self.rows, self.seconds = [], 0.0
 
 
-def check_meta(directory: Path, meta: dict[str, object]) -> None:
-    """The work directory must hold data of the same model and features, or none."""
-    path = directory / META_FILE
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved != meta:
-            raise CausalDraftError(
-                f"{directory} holds feature data made differently ({saved} vs {meta}); use another --work"
-            )
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(meta, indent=2) + "\n")
-
-
 def done_prompts(directory: Path) -> tuple[set[int], int, float]:
     """Prompt indices already answered, their response tokens, and the seconds spent on them."""
     done: set[int] = set()
@@ -165,11 +148,14 @@ def top_candidates(
     return top.indices, top.values, logprobs
 
 
-def data_meta(fingerprint: str, aux_layers: tuple[int, ...], config: FeatureGenConfig) -> dict[str, object]:
+def data_meta(
+    fingerprint: str, aux_layers: tuple[int, ...], config: FeatureGenConfig, prompts: str
+) -> dict[str, object]:
     """What a data folder's sequences depend on (the temperature only when sampled, so greedy
-    folders made before it existed still resume)."""
+    folders made before it existed still resume). ``prompts``: ``prompts_digest`` of the encoded prompts."""
     meta: dict[str, object] = {"fingerprint": fingerprint, "aux_layers": list(aux_layers), "top_k": config.top_k,
                                "max_new_tokens": config.max_new_tokens, "seed": config.seed}  # fmt: skip
+    meta["prompts"] = prompts
     if config.temperature > 0:
         meta["temperature"] = config.temperature
     return meta
@@ -185,12 +171,12 @@ def generate_features(
     fingerprint: str,
 ) -> tuple[int, float]:
     """Generate (or resume) until ``config.tokens`` response tokens exist; returns (tokens, seconds)."""
-    check_meta(directory, data_meta(fingerprint, aux_layers, config))
+    prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
+    check_meta(directory, data_meta(fingerprint, aux_layers, config, prompts_digest(prompts)), added=("prompts",))
     done, total, seconds = done_prompts(directory)
     if total >= config.tokens:
         return total, seconds
     torch.set_num_threads(config.threads)
-    prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
     queue = [index for index in range(len(prompts)) if index not in done]
     eos = int(tokenizer.eos_token_id)
     batch = config.batch_size

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
-from causaldraft.train.data import shard_paths
+from causaldraft.train.data import check_meta, read_meta, shard_paths
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,9 @@ def sequence_features(backend: Backend, prompt: list[int], response: list[int], 
 
 
 def compute_features(backend: Backend, gen_dir: Path, feat_dir: Path, top_k: int = 16) -> Features:
-    """One shard of features per generation shard; existing shards are reused (resumable)."""
-    feat_dir.mkdir(parents=True, exist_ok=True)
+    """One shard of features per generation shard; existing shards are reused (resumable) when they were
+    computed from this data by this model in this dtype (``check_meta``)."""
+    check_meta(feat_dir, {"data": read_meta(gen_dir), "dtype": str(backend.dtype), "top_k": top_k})
     gen_shards = shard_paths(gen_dir)
     if not gen_shards:
         raise CausalDraftError(f"no generated data in {gen_dir}")

@@ -1,7 +1,8 @@
 """The whole train-heads recipe: generate -> hidden pass -> train -> evaluate -> save.
 
-Generated data and features live in a work directory keyed by nothing but its path, so markov and
-medusa heads trained with the same ``work`` share exactly the same data.
+Generated data and features live in a work directory, so markov and medusa heads trained with the
+same ``work`` share exactly the same data; each data folder records the model, prompts and settings
+it was made with, and another model's or other prompts' data is refused (``data.check_meta``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     started = time.perf_counter()
     suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
-    generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation)
+    generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation,
+                              base_fingerprint(loaded.backend))  # fmt: skip
     timings["generate_s"] = time.perf_counter() - started
     torch.set_num_threads(recipe.generation.threads)
     use_batch_products(loaded.backend)  # the hidden pass reads whole sequences at a time

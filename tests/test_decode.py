@@ -357,6 +357,28 @@ def test_gumbel_draft_equal_to_target_accepts_every_token_when_sampling(tiny_lla
     assert all(step.accepted == 5 for step in steps[:-1])
 
 
+def test_a_draft_model_padded_to_a_larger_vocabulary_drafts_the_targets(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The target's weights with embeddings padded from 259 to 518 rows (same tokenizer, as model families
+    pad), each padding row outscoring a real token's: the padding rows are cut from its logits, so it is the
+    target again and every draft is accepted, greedy, Gumbel-ranked or drawn for rejection sampling (where
+    its 518-wide distribution once crashed)."""
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    model.resize_token_embeddings(518, mean_resizing=False)
+    with torch.no_grad():
+        model.lm_head.weight[259:] = 1.01 * model.lm_head.weight[:259]
+    model.save_pretrained(str(tmp_path / "padded"))
+    AutoTokenizer.from_pretrained(str(tiny_llama_dir)).save_pretrained(str(tmp_path / "padded"))
+    plain = engine(tiny_llama_dir)
+    for sampler, options in (("gumbel", {}), ("gumbel", {"temperature": 1.0, "seed": 4}),
+                             ("rejection", {"temperature": 1.0, "seed": 4})):  # fmt: skip
+        spec = engine(tiny_llama_dir, "draft", draft_model=str(tmp_path / "padded"), tree="chain", depth=5,
+                      fallback=False, adapt=False, sampler=sampler)  # fmt: skip
+        result = spec.generate(PROMPTS[0], max_new_tokens=32, **options)  # type: ignore[arg-type]
+        assert all(step.accepted == 5 for step in result.stats.steps[:-1]), (sampler, options)
+        if sampler == "gumbel":
+            assert result.token_ids == plain.generate(PROMPTS[0], max_new_tokens=32, **options).token_ids  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("options", [{"seed": 2**64}, {"seed": -(2**70)}, {"temperature": 1e-37},
                                      {"temperature": 5e-324}, {"top_p": 1e-300}])  # fmt: skip
 def test_extreme_but_valid_sampling_values_sample_correctly(tiny_llama_dir: Path, options: dict[str, float]) -> None:

@@ -23,15 +23,18 @@ from causaldraft.tree import Candidates, Tree, build_tree
 class DraftModelDrafter:
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: Backend, name: str = "draft", max_len: int = 8192) -> None:
+    def __init__(self, model: Backend, name: str = "draft", max_len: int = 8192, vocab_size: int | None = None) -> None:
+        """``vocab_size``: the target's, where the draft model's output rows differ in number (same
+        tokenizer, embeddings padded to another size): its logits are cut or padded to it."""
         self.model = model
         self.name = name
         self.max_len = max_len
+        self.vocab_size = vocab_size
         self.cache: Cache = model.new_cache(max_len)
         self.context: tuple[int, ...] = ()  # tokens whose entries are in the draft cache
 
     def fork(self) -> DraftModelDrafter:
-        return DraftModelDrafter(self.model, self.name, self.max_len)
+        return DraftModelDrafter(self.model, self.name, self.max_len, self.vocab_size)
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None = None) -> None:
         self.cache.rollback(0)
@@ -50,7 +53,7 @@ class DraftModelDrafter:
         positions = torch.arange(common, common + n)
         out = self.model.forward(new, positions, mask, self.cache, torch.tensor([n - 1]))
         self.context = tokens
-        return out.logits[0]
+        return fit_vocabulary(out.logits, self.vocab_size)[0]
 
     def propose(self, context: DraftContext) -> Draft:
         tokens = context.tokens
@@ -107,7 +110,7 @@ class DraftModelDrafter:
         tokens = torch.tensor([tree.tokens[node] for node in nodes], dtype=torch.long)
         positions = torch.tensor(depths, dtype=torch.long) + (base - 1)
         out = self.model.forward(tokens, positions, mask, self.cache)
-        probs = draft_distribution(out.logits, sampling)  # [m, vocab]
+        probs = draft_distribution(fit_vocabulary(out.logits, self.vocab_size), sampling)  # [m, vocab]
         for row, node in enumerate(nodes):
             probs_of[node] = probs[row]
 
@@ -128,6 +131,15 @@ class DraftModelDrafter:
 
     def observe(self, result: StepResult) -> None:
         return None
+
+
+def fit_vocabulary(logits: torch.Tensor, size: int | None) -> torch.Tensor:
+    """[m, V_draft] -> [m, size]: rows past the tokenizer's ids cut, missing ones at -inf (never drafted)."""
+    if size is None or logits.shape[-1] == size:
+        return logits
+    if logits.shape[-1] > size:
+        return logits[:, :size]
+    return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))
 
 
 def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

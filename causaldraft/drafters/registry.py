@@ -63,12 +63,18 @@ def build_draft(target: LoadedModel, options: DrafterOptions, dtype: str) -> Dra
     if options.draft_model is None:
         if not isinstance(target.backend, NativeLlama):
             raise CausalDraftError("the self-draft needs the native backend (or pass --draft-model PATH)")
+        layers = target.backend.llama_shape.num_layers
+        if not 1 <= options.draft_layers < layers:
+            raise CausalDraftError(
+                f"the self-draft runs the target's first --draft-layers layers: must be in [1, {layers - 1}] for "
+                f"this {layers}-layer model, got {options.draft_layers} (or pass --draft-model PATH)"
+            )
         return DraftModelDrafter(target.backend.truncated(options.draft_layers), name="draft")
     if not Path(options.draft_model).exists():
         raise CausalDraftError(f"draft model path {options.draft_model} does not exist")
     draft = load_model(options.draft_model, "native", options.draft_dtype or dtype)
     check_same_vocabulary(target.tokenizer.get_vocab(), draft.tokenizer.get_vocab())
-    return DraftModelDrafter(draft.backend, name="draft")
+    return DraftModelDrafter(draft.backend, name="draft", vocab_size=target.backend.shape.vocab_size)
 
 
 def build_heads(kind: str) -> Callable[[LoadedModel, DrafterOptions, str], Drafter]:

@@ -5,6 +5,7 @@ instead of each other."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from causaldraft.config import (
     ACCEPTANCE_RULES,
@@ -84,4 +85,16 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", default=None, type=stop_string,
+                        help=r"stop string (repeatable); \n, \t, \r and \\ in it are a newline, a tab, a carriage "
+                        r"return and a backslash")  # fmt: skip
+
+
+STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_string(text: str) -> str:
+    """``--stop``'s value with its escapes read: a shell passes ``--stop "\\n"`` as a backslash and an n, and
+    a stop string of those two characters is rarely what was meant. Example: ``a\\n\\\\n`` -> a, newline,
+    backslash, n."""
+    return re.sub(r"\\([ntr\\])", lambda match: STOP_ESCAPES[match.group(1)], text)

@@ -106,3 +106,12 @@ def test_engine_config_round_trips_through_its_flags() -> None:
     assert EngineConfig(tree="static").tree_config.depth == 5
     with pytest.raises(CausalDraftError):
         EngineConfig(depth=0)
+
+
+def test_stop_strings_from_the_shell_read_escapes() -> None:
+    """``--stop "\\n\\n"`` reaches the program as backslashes and n's: it means two newlines (the README's example
+    once never stopped); ``\\\\`` keeps a backslash."""
+    from causaldraft.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", r"\n\n", "--stop", r"a\tb\\n\x"])
+    assert args.stop == ["\n\n", "a\tb\\n\\x"]

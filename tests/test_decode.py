@@ -174,6 +174,8 @@ def test_vocabulary_mismatch_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Pa
     tokenizer.save_pretrained(str(other))
     with pytest.raises(CausalDraftError, match="vocabulary"):
         engine(tiny_llama_dir, "draft", draft_model=str(other))
+    with pytest.raises(CausalDraftError, match=r"--draft-layers .* \[1, 3\] for this 4-layer model, got 4"):
+        engine(tiny_llama_dir, "draft", draft_layers=4)
 
 
 def test_context_overflow_is_a_clear_error(tiny_llama_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -121,6 +122,24 @@ def test_corrupt_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path)
     (broken / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(CausalDraftError, match="corrupt"):
         load_model(str(broken), dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_config_that_contradicts_the_weights_or_is_not_json_is_a_clear_error(
+    tiny_llama_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    for name, text, message in (
+        ("vocab", json.dumps({**config, "vocab_size": 300}), "do not fit its config.json"),
+        ("intermediate", json.dumps({**config, "intermediate_size": 96}), "do not fit its config.json"),
+        ("notjson", '{"model_type": "llama",', "not JSON"),
+        ("list", "[1, 2]", "not a JSON object"),
+    ):  # fmt: skip
+        broken = tmp_path / name
+        shutil.copytree(tiny_llama_dir, broken)
+        (broken / "config.json").write_text(text)
+        with pytest.raises(CausalDraftError, match=message):
+            load_model(str(broken), dtype=dtype)
 
 
 def test_missing_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:

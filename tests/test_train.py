@@ -157,3 +157,16 @@ def test_trained_heads_keep_greedy_output(trained: dict[str, Path], tiny_llama_d
         assert result.token_ids == expected
     heads = load_heads(trained[kind], tiny.backend, kind)
     assert heads.config.num_heads == 3
+
+
+def test_an_out_or_work_path_that_is_a_file_is_refused_first(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for flag in ("--out", "--work"):
+        paths = {"--out": str(tmp_path / "out"), "--work": str(tmp_path / "work"), flag: str(afile)}
+        code = main(["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(write_prompts(tmp_path)),
+                     *(item for pair in paths.items() for item in pair)])  # fmt: skip
+        assert code == 2 and f"{flag} {afile} is a file" in capsys.readouterr().err
+        assert not (tmp_path / "work").exists()

@@ -175,6 +175,12 @@ def resolve_model_dir(model: str) -> Path:
         return target
     if not (path / "config.json").is_file():
         raise CausalDraftError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CausalDraftError(f"{path / 'config.json'} is unreadable or not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise CausalDraftError(f"{path / 'config.json'} is not a JSON object")
     return path
 
 
@@ -238,6 +244,20 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
     model_dir = resolve_model_dir(model)
     dtype = resolve_dtype(model_dir, dtype, backend)
     tokenizer = load_tokenizer(model_dir)
+    try:
+        loaded, prefill = load_backend(model_dir, backend, dtype)
+    except RuntimeError as error:  # load_state_dict's report of weights whose shapes config.json contradicts
+        mismatches = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+        if not mismatches:
+            raise
+        raise CausalDraftError(
+            f"the weights in {model_dir} do not fit its config.json ({len(mismatches)} tensors), e.g. {mismatches[0]}"
+        ) from error
+    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded), dtype, prefill)
+
+
+def load_backend(model_dir: Path, backend: str, dtype: str) -> tuple[Backend, Backend | None]:
+    """The target's backend in ``dtype`` (resolved), and the one that reads its prompts, if another."""
     loaded: Backend
     prefill: Backend | None = None
     if backend == "native":
@@ -261,4 +281,4 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
         loaded = HFBackend.from_pretrained(model_dir, TORCH_DTYPES[dtype])
     else:
         raise CausalDraftError(f"backend must be native or hf, got {backend!r}")
-    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded), dtype, prefill)
+    return loaded, prefill

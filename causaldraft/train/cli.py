@@ -22,10 +22,19 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     recipe = Recipe(model="default", prompts=(), kind="markov", out=Path("."))
     generation, training = GenerationConfig(), TrainConfig()
     parser = commands.add_parser("train-heads", help="train markov/medusa heads or an eagle3 layer (self-distillation)")
-    parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--model", default="default", help="the target: default, a checkpoint directory or .gguf (default: %(default)s)"
+    )
     parser.add_argument("--prompts", nargs="+", required=True, type=Path, help="prompt files (.json/.jsonl/.txt)")
-    parser.add_argument("--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov")
-    parser.add_argument("--num-heads", type=int, default=recipe.num_heads)
+    parser.add_argument(
+        "--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov", help="what to train (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--num-heads",
+        type=int,
+        default=recipe.num_heads,
+        help="markov/medusa: heads (draft depth) (default: %(default)s)",
+    )
     parser.add_argument(
         "--draft-vocab",
         type=int,
@@ -33,18 +42,33 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         help=f"draft vocabulary size (default {recipe.draft_vocab}; eagle3 with --init: the starting layer's, and a "
         "larger size grows it)",
     )
-    parser.add_argument("--tokens", type=int, default=generation.tokens, help="response tokens to generate")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--work", type=Path, default=None, help="cache of data/features/checkpoints")
-    parser.add_argument("--steps", type=int, default=training.steps)
-    parser.add_argument("--batch-size", type=int, default=training.batch_size)
-    parser.add_argument("--lr", type=float, default=training.lr)
-    parser.add_argument("--seed", type=int, default=training.seed)
+    parser.add_argument(
+        "--tokens", type=int, default=generation.tokens, help="response tokens to generate (default: %(default)s)"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory the trained drafter is written to")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="cache of data/features/checkpoints (default: under $CAUSALDRAFT_HOME/train)")  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=training.steps, help="markov/medusa: training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=training.batch_size,
+        help="markov/medusa: rows per step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=training.lr,
+        help=f"learning rate (default: %(default)s; eagle3: {Eagle3TrainConfig().lr})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=training.seed, help="initialisation and batch order (default: %(default)s)"
+    )
     parser.add_argument(
         "--data-seed",
         type=int,
         default=generation.seed,
-        help="order of the prompts answered (another seed draws other prompts for more data)",
+        help="order of the prompts answered (another seed draws other prompts for more data) (default: %(default)s)",
     )
     parser.add_argument(
         "--data-temperature",
@@ -52,15 +76,39 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
         default=0.0,
         help="eagle3: answer the prompts sampled at this temperature (0: greedily), seeded by --data-seed",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=generation.max_new_tokens)
-    parser.add_argument("--gen-batch-size", type=int, default=generation.batch_size)
-    parser.add_argument("--threads", type=int, default=generation.threads, help="torch threads for data passes")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=recipe.dtype)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=generation.max_new_tokens, help="longest answer (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--gen-batch-size",
+        type=int,
+        default=generation.batch_size,
+        help="answers generated at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=generation.threads, help="torch threads for data passes (default: %(default)s)"
+    )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=recipe.dtype,
+                        help="the target's dtype in the data passes (default: %(default)s)")  # fmt: skip
     eagle = Eagle3TrainConfig()
-    parser.add_argument("--epochs", type=float, default=eagle.epochs, help="eagle3: passes over the data")
-    parser.add_argument("--ttt-steps", type=int, default=eagle.steps, help="eagle3: unrolled draft depths trained")
-    parser.add_argument("--rows-per-batch", type=int, default=eagle.rows_per_batch, help="eagle3: rows per step")
-    parser.add_argument("--context", type=int, default=eagle.context, help="eagle3: prompt rows kept per sequence")
+    parser.add_argument(
+        "--epochs", type=float, default=eagle.epochs, help="eagle3: passes over the data (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=eagle.steps,
+        help="eagle3: unrolled draft depths trained (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rows-per-batch", type=int, default=eagle.rows_per_batch, help="eagle3: rows per step (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=eagle.context,
+        help="eagle3: prompt rows kept per sequence (default: %(default)s)",
+    )
     parser.add_argument(
         "--init",
         type=Path,
@@ -71,6 +119,9 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, path in (("--out", args.out), ("--work", args.work)):
+        if path is not None and path.exists() and not path.is_dir():
+            raise CausalDraftError(f"{flag} {path} is a file; give a directory (made if missing)")
     if args.heads == "eagle3":
         return run_eagle3(args)
     if args.init is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import operator
 import random
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import typing
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +34,26 @@ from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import make_generator
 from causaldraft.threads import ThreadPolicy, prompt_on, thread_invariant
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids or chat messages (``Engine.encode``)
+
+
+def token_id(item: object) -> int:
+    """A token id given as an int (or numpy / 0-d torch integer); a bool, float or str is a CausalDraftError."""
+    if isinstance(item, bool):
+        raise CausalDraftError(f"token ids are integers, got {item!r}")
+    try:
+        return operator.index(item)  # type: ignore[arg-type]
+    except TypeError:
+        raise CausalDraftError(f"token ids are integers, got {item!r}") from None
+
+
+def stop_strings(stop: object) -> list[str]:
+    """``stop`` as a list of non-empty strings: one string, a sequence of them, or None."""
+    items = [stop] if isinstance(stop, str) else stop if isinstance(stop, (list, tuple)) else None
+    if stop is not None and (items is None or not all(isinstance(item, str) for item in items)):
+        raise CausalDraftError(f"stop must be a string or a list of strings, got {stop!r}")
+    return [item for item in items or [] if item]
 
 
 @dataclass(frozen=True)
@@ -75,18 +97,35 @@ class Engine:
     def tokenizer(self):  # type: ignore[no-untyped-def]
         return self.model.tokenizer
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):
-            ids = [int(token) for token in prompt]
-            vocab = self.model.backend.shape.vocab_size
-            if any(token < 0 or token >= vocab for token in ids):
-                raise CausalDraftError(f"token ids must be in [0, {vocab})")
-            return ids
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """A prompt's token ids. ``prompt``: text (with ``chat``, the user's message in the chat template),
+        chat messages (``[{"role": "system", "content": ...}, {"role": "user", ...}]``, always through the
+        template), or token ids, taken as they are. Anything else is a CausalDraftError."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.encode_chat([{"role": "user", "content": prompt}])
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+            raise CausalDraftError(
+                f"a prompt is text, chat messages or token ids, got {type(prompt).__name__} (decode bytes first)"
+            )
+        items = list(prompt)
+        if items and all(isinstance(item, Mapping) for item in items):
+            return self.encode_chat(typing.cast(list[Mapping[str, str]], items))
+        ids = [token_id(item) for item in items]
+        vocab = self.model.backend.shape.vocab_size
+        if any(token < 0 or token >= vocab for token in ids):
+            raise CausalDraftError(f"token ids must be in [0, {vocab})")
+        return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        for message in messages:
+            if (
+                not isinstance(message, Mapping)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
+                raise CausalDraftError(f"a chat message is a dict with a str role and a str content, got {message!r}")
         if not self.tokenizer.chat_template:
             raise CausalDraftError("this model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -94,7 +133,7 @@ class Engine:
 
     def start(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -114,7 +153,7 @@ class Engine:
         decoder = decoder or self.decoder
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
-        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        stops = stop_strings(stop)
         prompt_ids = self.encode(prompt, chat)
         generator = None if sampling.greedy else make_generator(seed)
         gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel" and decoder.decode.acceptance == "lossless"
@@ -140,7 +179,7 @@ class Engine:
             run.read_prompt()
         return run
 
-    def events(self, prompt: str | Sequence[int], **options: Any) -> Iterator[StreamPiece | Completion]:
+    def events(self, prompt: Prompt, **options: Any) -> Iterator[StreamPiece | Completion]:
         """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
         the request is left on the engine (its adaptation state carries over, by design). Options:
         those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat)."""
@@ -152,12 +191,12 @@ class Engine:
                 break
         yield from run.finish()
 
-    def stream(self, prompt: str | Sequence[int], **options: object) -> Iterator[str]:
+    def stream(self, prompt: Prompt, **options: object) -> Iterator[str]:
         for item in self.events(prompt, **options):  # type: ignore[arg-type]
             if isinstance(item, StreamPiece) and item.text:
                 yield item.text
 
-    def generate(self, prompt: str | Sequence[int], **options: object) -> Generation:
+    def generate(self, prompt: Prompt, **options: object) -> Generation:
         texts: list[str] = []
         ids: list[int] = []
         for item in self.events(prompt, **options):  # type: ignore[arg-type]
@@ -167,12 +206,14 @@ class Engine:
             ids.extend(item.token_ids)
         raise AssertionError("events() ends with a Completion")
 
-    def generate_batch(self, prompts: Sequence[str | Sequence[int]], size: int = 8, **options: Any) -> list[Generation]:
+    def generate_batch(self, prompts: Sequence[Prompt], size: int = 8, **options: Any) -> list[Generation]:
         """Generate for every prompt, ``size`` decoded together (continuous batching: each step's
         trees share one target pass; a finished prompt's place goes to the next). Each result is
         what ``generate`` gives for that prompt alone. Options: as ``generate``."""
         from causaldraft.batch import generate_batch  # batch builds on this module
 
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise CausalDraftError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
         return generate_batch(self, prompts, size, **options)
 
 

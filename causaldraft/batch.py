@@ -35,7 +35,7 @@ from causaldraft.adapt import (
     expected_tokens,
     plausible_calibration,
 )
-from causaldraft.api import Completion, Engine, Generation, RequestRun, StreamPiece
+from causaldraft.api import Completion, Engine, Generation, Prompt, RequestRun, StreamPiece
 from causaldraft.cache import CachePool
 from causaldraft.decode import PROMPT_CHUNK, StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
 from causaldraft.drafters.base import Draft
@@ -104,7 +104,7 @@ class Batch:
     def free(self) -> int:
         return self.size - len(self.streams)
 
-    def add(self, prompt: str | Sequence[int], **options: Any) -> Stream:
+    def add(self, prompt: Prompt, **options: Any) -> Stream:
         """Start a stream (checks the request; the steps read its prompt); raises CausalDraftError
         for bad input or a full batch, leaving the batch as it was."""
         if self.free < 1:
@@ -313,7 +313,7 @@ def measure_batch_cost(
 
 
 def generate_batch(
-    engine: Engine, prompts: Sequence[str | Sequence[int]], size: int = 8, batch: Batch | None = None,
+    engine: Engine, prompts: Sequence[Prompt], size: int = 8, batch: Batch | None = None,
     **options: Any,
 ) -> list[Generation]:  # fmt: skip
     """Generate for every prompt, ``size`` at a time in one batch (new prompts join as others

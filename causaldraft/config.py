@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import typing
 from dataclasses import dataclass, replace
 
 from causaldraft.errors import CausalDraftError
@@ -12,6 +15,7 @@ BACKENDS = ("native", "hf")
 TREE_KINDS = ("chain", "static", "dynamic")
 ACCEPTANCE_RULES = ("lossless", "naive")
 SAMPLERS = ("gumbel", "rejection")
+PATH_FIELDS = ("model", "draft_model", "heads", "store")  # EngineConfig's fields that name files
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,10 @@ class EngineConfig:
     use_store: bool = True
 
     def __post_init__(self) -> None:
+        for name in PATH_FIELDS:  # a pathlib.Path is as good as its string
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        check_field_types(self)
         if self.backend not in BACKENDS:
             raise CausalDraftError(f"backend must be native or hf, got {self.backend!r}")
         if self.dtype not in DTYPES:
@@ -206,6 +214,29 @@ class EngineConfig:
             if not enabled:
                 parts.append(flag)
         return parts
+
+
+def check_field_types(config: object) -> None:
+    """Every field of a config dataclass holds a value of its annotated type (str, int, float, bool, or
+    None where the annotation allows it; an int for a float; never a bool for an int), so a value of the
+    wrong type is named here, not met later as another error. Example: ``depth="3"`` -> "depth must be
+    int or None, got '3'"."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, field.name)
+        allowed = typing.get_args(hints[field.name]) or (hints[field.name],)
+        if value is None and type(None) in allowed:
+            continue
+        fits = any(
+            isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+            for kind in (*allowed, *((int,) if float in allowed else ()))
+            if isinstance(kind, type) and kind is not type(None)
+        )
+        if not fits:
+            names = " or ".join(
+                "None" if kind is type(None) else getattr(kind, "__name__", str(kind)) for kind in allowed
+            )
+            raise CausalDraftError(f"{field.name} must be {names}, got {value!r}")
 
 
 def validate_max_new_tokens(max_new_tokens: object) -> int:

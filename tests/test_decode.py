@@ -200,6 +200,15 @@ def test_invalid_engine_options_are_clear_errors(tiny_llama_dir: Path) -> None:
     for options in ({"tree": "forest"}, {"drafter": "oracle"}, {"acceptance": "optimistic"}, {"depth": 0}):
         with pytest.raises(CausalDraftError):
             engine(tiny_llama_dir, **options)  # type: ignore[arg-type]
+    for options, message in (({"depth": "3"}, "depth must be int or None, got '3'"),
+                             ({"compile": 1}, "compile must be bool or None"),
+                             ({"width": True}, "width must be")):  # fmt: skip
+        with pytest.raises(CausalDraftError, match=message):
+            engine(tiny_llama_dir, **options)  # type: ignore[arg-type]
+    for model in (None, 3):
+        with pytest.raises(CausalDraftError, match="model must be str"):
+            causaldraft.load(model=model)  # type: ignore[arg-type]
+    assert engine(Path(tiny_llama_dir)).generate("ab", max_new_tokens=2).token_ids  # a Path names a model too
 
 
 def test_empty_prompt_and_bad_token_ids_are_clear_errors(tiny_llama_dir: Path) -> None:
@@ -208,6 +217,32 @@ def test_empty_prompt_and_bad_token_ids_are_clear_errors(tiny_llama_dir: Path) -
         plain.generate("", max_new_tokens=3)
     with pytest.raises(CausalDraftError):
         plain.generate([1, 2, 9999], max_new_tokens=3)
+    for prompt in (b"hello", [1.5, 2.7], [True, 5], None, 5, ["ab", "cd"]):
+        with pytest.raises(CausalDraftError, match="a prompt is|token ids are integers"):
+            plain.generate(prompt, max_new_tokens=3)  # type: ignore[arg-type]
+    for stop in (5, [5], [None], {"a": 1}):
+        with pytest.raises(CausalDraftError, match="stop must be"):
+            plain.generate("ab", max_new_tokens=3, stop=stop)
+    with pytest.raises(CausalDraftError, match="a list of prompts"):
+        plain.generate_batch("hi", max_new_tokens=3)  # type: ignore[arg-type]
+    with pytest.raises(CausalDraftError, match="chat message"):
+        plain.generate([{"role": "user"}], max_new_tokens=3)
+    assert (
+        plain.generate(torch.tensor([5, 6]), max_new_tokens=3).token_ids
+        == plain.generate([5, 6], max_new_tokens=3).token_ids
+    )
+
+
+def test_chat_messages_are_a_prompt(tiny_llama_dir: Path) -> None:
+    """A list of messages (a system one too) goes through the chat template; one user message is ``chat=True``."""
+    plain = engine(tiny_llama_dir)
+    user = {"role": "user", "content": "hello"}
+    assert (plain.generate([user], max_new_tokens=8).token_ids
+            == plain.generate("hello", chat=True, max_new_tokens=8).token_ids)  # fmt: skip
+    messages = [{"role": "system", "content": "be brief"}, user]
+    ids = plain.encode(messages)
+    assert ids == plain.encode_chat(messages) and len(ids) > len(plain.encode([user]))
+    assert plain.generate(messages, max_new_tokens=8).token_ids == plain.generate(ids, max_new_tokens=8).token_ids
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama_dir: Path) -> None:

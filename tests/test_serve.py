@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -81,6 +82,7 @@ def test_models_and_health(server: BackgroundServer, client: openai.OpenAI) -> N
     assert [model.id for model in client.models.list()] == [MODEL]
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert httpx.head(f"{server.url}/health").status_code == 200  # load balancers probe with HEAD
 
 
 def test_completion_greedy_equals_engine(client: openai.OpenAI, reference: Engine) -> None:
@@ -201,6 +203,18 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(max_tokens=-3), "max_tokens"),
     ("chat/completions", chat(n=3), "n"),
     ("chat/completions", chat(model="other"), "model"),
+    ("completions", completion(echo=True), "echo"),
+    ("completions", completion(logprobs=5), "logprobs"),
+    ("completions", completion(best_of=3), "best_of"),
+    ("completions", completion(suffix="end"), "suffix"),
+    ("completions", completion(logit_bias={"5": 10}), "logit_bias"),
+    ("completions", completion(presence_penalty=0.5), "presence_penalty"),
+    ("completions", completion(stream_options={"include_usage": True}), "stream_options"),
+    ("completions", completion(top_k=-2), "top_k"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=3), "logprobs"),
+    ("chat/completions", chat(frequency_penalty=1.0), "frequency_penalty"),
+    ("chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
 ]
 
 
@@ -221,19 +235,21 @@ def test_malformed_request_gets_openai_error(
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "param", "says"),
     [
-        (completion(stop=["a", "b", "c", "d", "e"]), "stop"),
-        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
-        (chat(messages=[{"role": "user", "content": 5}]), "messages"),
+        (completion(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4 stop strings"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages",
+         "only text content parts"),
+        (chat(messages=[{"role": "user", "content": 5}]), "messages", ""),
+        (completion(echo=True, logprobs=2), "echo", "echo is not supported"),
     ],
-)
+)  # fmt: skip
 def test_errors_name_the_parameter_not_pydantic_internals(
-    server: BackgroundServer, body: dict[str, Any], param: str
+    server: BackgroundServer, body: dict[str, Any], param: str, says: str
 ) -> None:
     endpoint = "chat/completions" if "messages" in body else "completions"
     error = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60).json()["error"]
-    assert error["param"] == param
+    assert error["param"] == param and says in error["message"], error
     for internal in ("constrained", "list[", ".str", "TextPart", "literal"):
         assert internal not in error["message"], error["message"]
 
@@ -248,11 +264,16 @@ def test_an_oversized_body_is_refused_before_parsing(server: BackgroundServer, c
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).usage is not None
 
 
-def test_models_retrieve_and_the_function_role(client: openai.OpenAI) -> None:
+def test_models_retrieve_and_the_function_role(server: BackgroundServer, client: openai.OpenAI) -> None:
+    before = metrics(server)
     card = client.models.retrieve(MODEL)
     assert card.id == MODEL and card.model_dump()["dtype"] == "float32"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+    after = metrics(server)
+    for status in (200, 404):  # counted under their own path, not "other"
+        key = f'causaldraft_requests_total{{path="/v1/models/{{id}}",status="{status}"}}'
+        assert after[key] == before.get(key, 0) + 1
     messages = [{"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "42"}]
     result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
     assert result.choices[0].message.content is not None
@@ -264,6 +285,8 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked(server: BackgroundSe
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
     assert all("usage" in chunk for chunk in chunks)
     assert all(chunk["usage"] is None for chunk in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] >= 1
+    last = chunks[-2]["choices"][0]  # the finishing chunk, as OpenAI sends it: an empty delta
+    assert last["delta"] == {} and last["finish_reason"] in ("stop", "length")
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat(stream=True), timeout=120) as response:
         plain = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
     assert not any("usage" in chunk for chunk in plain)
@@ -329,6 +352,18 @@ def test_disconnect_mid_stream_frees_the_worker(
     assert after[cancelled] == before[cancelled] + 1  # the worker broke off the stream, it did not finish it
     generated = after["causaldraft_generated_tokens_total"] - before["causaldraft_generated_tokens_total"]
     assert generated < LONG_TOKENS  # the long request stopped early: it did not run to its length
+
+
+def test_a_client_gone_mid_body_is_a_quiet_499(server: BackgroundServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that closes its connection while sending the body: counted as 499, with no traceback logged."""
+    before = metrics(server)
+    with socket.create_connection((server.host, server.port)) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1000\r\n\r\n{\"model\":")  # fmt: skip
+    key = 'causaldraft_requests_total{path="/v1/completions",status="499"}'
+    wait_until(lambda: metrics(server).get(key, 0) == before.get(key, 0) + 1)
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_disconnect_while_waiting_non_streamed(server: BackgroundServer, client: openai.OpenAI) -> None:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from causaldraft.api import Engine
 from causaldraft.errors import CausalDraftError
@@ -75,12 +76,15 @@ async def read_body(request: Request) -> bytes:
     if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
         raise ApiError(413, f"the request body is larger than {MAX_REQUEST_BYTES} bytes", None, "request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_REQUEST_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_REQUEST_BYTES} bytes", None,
-                           "request_too_large")  # fmt: skip
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_REQUEST_BYTES:
+                raise ApiError(413, f"the request body is larger than {MAX_REQUEST_BYTES} bytes", None,
+                               "request_too_large")  # fmt: skip
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left mid-body: nobody to answer (counted as 499)
+        raise ClientGone() from None
     return b"".join(chunks)
 
 
@@ -105,6 +109,9 @@ def parse_body(model: type[RequestModel], raw: bytes) -> RequestModel:
         if first["type"] == "json_invalid":
             raise ApiError(400, f"the request body is not valid JSON: {first['msg']}", None, "invalid_json") from None
         location = field_path(tuple(first["loc"]))
+        named = (first.get("ctx") or {}).get("param")  # a whole-body check naming its parameter (schemas.body_error)
+        if not location and named:
+            raise ApiError(400, first["msg"], named, first["type"]) from None
         if not location:
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_body") from None
         param = ".".join(location)
@@ -256,6 +263,10 @@ def create_app(
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return error_response(error.status, error.message, error.param, error.code)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, error: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; the metrics count the request as 499
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return error_response(error.status_code, str(error.detail))
@@ -264,7 +275,7 @@ def create_app(
     async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(error).__name__}: {error}")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         alive = worker.alive
         body = {"status": "ok" if alive else "worker stopped", "model": served_model,
@@ -317,7 +328,8 @@ def create_app(
         if max_tokens is not None and max_tokens > worker.context_length:
             raise ApiError(400, f"max_tokens {max_tokens} exceeds the model's context of {worker.context_length} "
                            "tokens", "max_tokens")  # fmt: skip
-        return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops())
+        return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops(),
+                                 body.sampling_top_k)  # fmt: skip
 
     async def respond(
         request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply
@@ -386,7 +398,10 @@ def create_app(
                 if isinstance(event, Piece) and event.text:
                     yield sse(reply.body([reply.choice(event.text, None, True)], True, None, include_usage))
                 elif isinstance(event, Finished):
-                    yield sse(reply.body([reply.choice("", event.finish_reason, True)], True, None, include_usage))
+                    last = reply.choice("", event.finish_reason, True)
+                    if reply.chat:
+                        last["delta"] = {}  # OpenAI's last chunk: an empty delta with the finish reason
+                    yield sse(reply.body([last], True, None, include_usage))
                     if include_usage:
                         yield sse(reply.body([], True, Usage(event.prompt_tokens, event.completion_tokens)))
                     break
@@ -409,6 +424,13 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+def metrics_path(path: str) -> str:
+    """The ``path`` label of a request: a known path, ``/v1/models/{id}``, or ``other``."""
+    if path in KNOWN_PATHS:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+
+
 class StatusRecorder:
     """ASGI middleware counting responses by path and status (unknown paths count as ``other``)."""
 
@@ -420,7 +442,7 @@ class StatusRecorder:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+        path = metrics_path(scope["path"])
         recorded = False
 
         async def recording_send(message: Message) -> None:

@@ -1,23 +1,55 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s).
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; parameters the server cannot
-honour (``n`` other than 1, several prompts) are rejected with a clear message instead.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
+cannot honour are rejected with a clear message when they ask for something (``n`` other than 1,
+several prompts, ``echo``, ``logprobs``, penalties, ``logit_bias``, tools, a JSON response format:
+``UNSUPPORTED``), never silently ignored. ``top_k`` (vLLM's extension; 0 or -1: off) is honoured.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a whole request body; larger ones are refused before parsing (413)
 MAX_STOPS = 4
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
+Stop = str | list[str] | None
+
+
+def asks_nothing(value: object) -> bool:
+    """An unsupported parameter left at what it means when absent: null, false, 0, "", [], {}."""
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+# OpenAI parameters this server cannot honour, and when a value asks for nothing it would have to do
+UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "echo": asks_nothing,
+    "logprobs": asks_nothing,
+    "top_logprobs": asks_nothing,
+    "best_of": lambda value: value is None or value == 1,
+    "suffix": asks_nothing,
+    "logit_bias": asks_nothing,
+    "presence_penalty": asks_nothing,
+    "frequency_penalty": asks_nothing,
+    "tools": asks_nothing,
+    "tool_choice": lambda value: value in (None, "none", "auto"),
+    "functions": asks_nothing,
+    "function_call": lambda value: value in (None, "none", "auto"),
+    "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
+}
+
+
+def body_error(param: str, message: str) -> PydanticCustomError:
+    """A whole-body validation error that still names its parameter (``ctx["param"]``, read by ``parse_body``)."""
+    return PydanticCustomError("unsupported_parameter", "{message}", {"param": param, "message": message})
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +71,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated, accepted
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_parts_only(cls, content: object) -> object:
+        """Named here, since the union's first member (str) would otherwise be the error reported."""
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") != "text":
+                    raise ValueError(f"only text content parts are supported, not {part.get('type')!r}")
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -56,13 +98,33 @@ class GenerationParams(BaseModel):
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; 0 or -1: off
     stop: Stop = None
     seed: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    @field_validator("temperature", "top_p", "n", "stream", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def honoured_only(cls, body: Any) -> Any:
+        """A parameter from ``UNSUPPORTED`` that asks for something is refused, naming it."""
+        if isinstance(body, dict):
+            for name, unset in UNSUPPORTED.items():
+                if name in body and not unset(body[name]):
+                    raise body_error(name, f"{name} is not supported by this server (got {body[name]!r})")
+            if body.get("stream_options") is not None and not body.get("stream"):
+                raise body_error("stream_options", "stream_options is only allowed with stream: true")
+        return body
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def few_stops(cls, stop: object) -> object:
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings are supported, got {len(stop)}")
+        return stop
+
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", mode="before")
     @classmethod
     def null_means_default(cls, value: object, info: ValidationInfo) -> object:
         """Clients often send ``null`` for parameters they leave unset."""
@@ -76,6 +138,11 @@ class GenerationParams(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @property
+    def sampling_top_k(self) -> int:
+        """``top_k`` as the engine takes it (0: off)."""
+        return max(self.top_k, 0)
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -45,6 +45,7 @@ class GenerationRequest:
     top_p: float
     seed: int | None
     stop: list[str]
+    top_k: int = 0  # 0: off
 
     @property
     def default_max_tokens(self) -> int:
@@ -222,7 +223,8 @@ class Worker:
         self.deliver(job, Started(len(prompt_ids), max_tokens))
         try:
             stream = self.batch.add(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
-                                    top_p=request.top_p, seed=request.seed, stop=request.stop)  # fmt: skip
+                                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                                    stop=request.stop)  # fmt: skip
         except CausalDraftError as error:
             self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
             return
@@ -285,7 +287,7 @@ def param_of(message: str, request: GenerationRequest) -> str | None:
 
 def message_param(message: str) -> str | None:
     for name, param in (("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"), ("prompt", "prompt"),
-                        ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
+                        ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
                         ("token ids", "prompt"), ("chat template", "messages")):  # fmt: skip
         if name in message:
             return param

@@ -28,7 +28,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "stop": args.stop,
         "chat": args.chat,
     }
-    if args.stream and not args.json:
+    if args.stream:
         for piece in engine.stream(args.prompt, **options):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text")
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
-    generate.add_argument("--json", action="store_true", help="print one JSON object")
-    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    output = generate.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--stream", action="store_true", help="print text as it is generated")
     add_model_flags(generate)
     add_drafter_flags(generate, default_drafter="auto")
     add_sampling_flags(generate)

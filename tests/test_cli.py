@@ -115,3 +115,11 @@ def test_stop_strings_from_the_shell_read_escapes() -> None:
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--stop", r"\n\n", "--stop", r"a\tb\\n\x"])
     assert args.stop == ["\n\n", "a\tb\\n\\x"]
+
+
+def test_stream_and_json_are_one_or_the_other(capsys: pytest.CaptureFixture[str]) -> None:
+    from causaldraft.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--stream", "--json"])
+    assert "not allowed with argument" in capsys.readouterr().err

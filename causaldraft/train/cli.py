@@ -20,101 +20,47 @@ from causaldraft.train.trainer import TrainConfig
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     recipe = Recipe(model="default", prompts=(), kind="markov", out=Path("."))
-    generation, training = GenerationConfig(), TrainConfig()
+    generation, training, eagle = GenerationConfig(), TrainConfig(), Eagle3TrainConfig()
     parser = commands.add_parser("train-heads", help="train markov/medusa heads or an eagle3 layer (self-distillation)")
-    parser.add_argument(
-        "--model", default="default", help="the target: default, a checkpoint directory or .gguf (default: %(default)s)"
-    )
+    # fmt: off
+    parser.add_argument("--model", default="default",
+                        help="the target: default, a checkpoint directory or .gguf (default: %(default)s)")
     parser.add_argument("--prompts", nargs="+", required=True, type=Path, help="prompt files (.json/.jsonl/.txt)")
-    parser.add_argument(
-        "--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov", help="what to train (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--num-heads",
-        type=int,
-        default=recipe.num_heads,
-        help="markov/medusa: heads (draft depth) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        help=f"draft vocabulary size (default {recipe.draft_vocab}; eagle3 with --init: the starting layer's, and a "
-        "larger size grows it)",
-    )
-    parser.add_argument(
-        "--tokens", type=int, default=generation.tokens, help="response tokens to generate (default: %(default)s)"
-    )
+    parser.add_argument("--heads", choices=(*HEAD_KINDS, "eagle3"), default="markov",
+                        help="what to train (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="directory the trained drafter is written to")
     parser.add_argument("--work", type=Path, default=None,
-                        help="cache of data/features/checkpoints (default: under $CAUSALDRAFT_HOME/train)")  # fmt: skip
-    parser.add_argument(
-        "--steps", type=int, default=training.steps, help="markov/medusa: training steps (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=training.batch_size,
-        help="markov/medusa: rows per step (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lr", type=float, default=training.lr,
-        help=f"learning rate (default: %(default)s; eagle3: {Eagle3TrainConfig().lr})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--seed", type=int, default=training.seed, help="initialisation and batch order (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--data-seed",
-        type=int,
-        default=generation.seed,
-        help="order of the prompts answered (another seed draws other prompts for more data) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--data-temperature",
-        type=float,
-        default=0.0,
-        help="eagle3: answer the prompts sampled at this temperature (0: greedily), seeded by --data-seed",
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=generation.max_new_tokens, help="longest answer (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--gen-batch-size",
-        type=int,
-        default=generation.batch_size,
-        help="answers generated at once (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--threads", type=int, default=generation.threads, help="torch threads for data passes (default: %(default)s)"
-    )
+                        help="cache of data/features/checkpoints (default: under $CAUSALDRAFT_HOME/train)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help=f"draft vocabulary size (default {recipe.draft_vocab}; eagle3 with --init: the starting "
+                        "layer's, and a larger size grows it)")
+    parser.add_argument("--lr", type=float, default=training.lr,
+                        help=f"learning rate (default: %(default)s; eagle3: {eagle.lr})")
+    parser.add_argument("--data-temperature", type=float, default=0.0,
+                        help="eagle3: answer the prompts sampled at this temperature (0: greedily), seeded by "
+                        "--data-seed")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=recipe.dtype,
-                        help="the target's dtype in the data passes (default: %(default)s)")  # fmt: skip
-    eagle = Eagle3TrainConfig()
-    parser.add_argument(
-        "--epochs", type=float, default=eagle.epochs, help="eagle3: passes over the data (default: %(default)s)"
+                        help="the target's dtype in the data passes (default: %(default)s)")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="eagle3: start from this trained layer (same target) instead of from scratch")
+    # fmt: on
+    sizes: tuple[tuple[str, type, object, str], ...] = (
+        ("--num-heads", int, recipe.num_heads, "markov/medusa: heads (draft depth)"),
+        ("--tokens", int, generation.tokens, "response tokens to generate"),
+        ("--steps", int, training.steps, "markov/medusa: training steps"),
+        ("--batch-size", int, training.batch_size, "markov/medusa: rows per step"),
+        ("--seed", int, training.seed, "initialisation and batch order"),
+        ("--data-seed", int, generation.seed, "order of the prompts answered (another seed draws other prompts)"),
+        ("--max-new-tokens", int, generation.max_new_tokens, "longest answer"),
+        ("--gen-batch-size", int, generation.batch_size, "answers generated at once"),
+        ("--threads", int, generation.threads, "torch threads for data passes"),
+        ("--epochs", float, eagle.epochs, "eagle3: passes over the data"),
+        ("--ttt-steps", int, eagle.steps, "eagle3: unrolled draft depths trained"),
+        ("--rows-per-batch", int, eagle.rows_per_batch, "eagle3: rows per step"),
+        ("--context", int, eagle.context, "eagle3: prompt rows kept per sequence"),
     )
-    parser.add_argument(
-        "--ttt-steps",
-        type=int,
-        default=eagle.steps,
-        help="eagle3: unrolled draft depths trained (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--rows-per-batch", type=int, default=eagle.rows_per_batch, help="eagle3: rows per step (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--context",
-        type=int,
-        default=eagle.context,
-        help="eagle3: prompt rows kept per sequence (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--init",
-        type=Path,
-        default=None,
-        help="eagle3: start from this trained layer (same target) instead of from scratch",
-    )
+    for flag, kind, default, text in sizes:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     parser.set_defaults(func=run)
 
 

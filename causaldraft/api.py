@@ -231,7 +231,7 @@ class RequestRun:
     started: float
     threads: ThreadPolicy | None  # the engine's, or None: torch's count (a seeded request, whose drafter's
     # numbers, and so its random draws, must not depend on the machine's load)
-    prompt: PromptRead  # the prompt's prefill, read before the first step
+    prompt_read: PromptRead  # the prompt's prefill, read before the first step
     kept_tokens: int = 0
 
     @property
@@ -241,15 +241,15 @@ class RequestRun:
     @property
     def reading(self) -> bool:
         """The prompt is not all cached yet: no decoding step may run."""
-        return not self.prompt.done
+        return not self.prompt_read.done
 
     def read_prompt(self, rows: int | None = None) -> int:
         """Cache the prompt's next chunks, on all threads (``ThreadPolicy.prompt``), until at least ``rows``
         rows are read (None: the whole prompt); returns the rows read."""
         read = 0
         with prompt_on(self.threads):
-            while not self.prompt.done and (rows is None or read < rows):
-                read += self.prompt.advance()
+            while not self.prompt_read.done and (rows is None or read < rows):
+                read += self.prompt_read.advance()
         return read
 
     def absorb(self, emitted: list[int]) -> list[StreamPiece]:

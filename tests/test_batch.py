@@ -138,7 +138,7 @@ def test_a_long_prompt_joins_a_chunk_per_step_while_the_others_decode(models: di
     running = batch.add(short, max_new_tokens=12)
     batch.step()
     joining = batch.add(long, max_new_tokens=12)
-    assert joining.run.prompt.rows_left > PROMPT_ROWS_PER_STEP
+    assert joining.run.prompt_read.rows_left > PROMPT_ROWS_PER_STEP
     for _ in range(2):
         emitted = len(running.events)
         assert joining.run.reading

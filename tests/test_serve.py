@@ -205,6 +205,7 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(model="other"), "model"),
     ("completions", completion(echo=True), "echo"),
     ("completions", completion(logprobs=5), "logprobs"),
+    ("completions", completion(logprobs=0), "logprobs"),
     ("completions", completion(best_of=3), "best_of"),
     ("completions", completion(suffix="end"), "suffix"),
     ("completions", completion(logit_bias={"5": 10}), "logit_bias"),

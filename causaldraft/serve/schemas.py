@@ -32,7 +32,7 @@ def asks_nothing(value: object) -> bool:
 # OpenAI parameters this server cannot honour, and when a value asks for nothing it would have to do
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": asks_nothing,
-    "logprobs": asks_nothing,
+    "logprobs": lambda value: value is None or value is False,  # 0 asks for the chosen tokens' log-probabilities
     "top_logprobs": asks_nothing,
     "best_of": lambda value: value is None or value == 1,
     "suffix": asks_nothing,

@@ -116,6 +116,15 @@ def test_directory_without_config_is_a_clear_error(tmp_path: Path) -> None:
         load_model(str(tmp_path))
 
 
+def test_a_directory_without_a_tokenizer_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / name, weights_only / name)
+    with pytest.raises(CausalDraftError, match="has no tokenizer"):
+        load_model(str(weights_only), dtype="float32")
+
+
 def test_corrupt_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama_dir, broken)

@@ -11,6 +11,7 @@ import torch
 from causaldraft.api import load
 from causaldraft.config import SamplingConfig
 from causaldraft.drafters.base import DraftContext
+from causaldraft.drafters.eagle3 import load_eagle3_drafter
 from causaldraft.drafters.heads import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -29,6 +30,7 @@ from causaldraft.models.packed import DraftLinear
 from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import Int8Linear
 from causaldraft.tree import Tree
+from tests.test_eagle3 import layer_dir
 
 PROMPTS = ["hello hello hello world", "the cat sat on the mat and the cat", "abcabcabc"]
 
@@ -121,6 +123,11 @@ def test_kind_mismatch_and_missing_default(tiny: LoadedModel, tmp_path: Path) ->
         load_heads_drafter("markov", tiny, DrafterOptions())
     with pytest.raises(CausalDraftError, match="does not exist"):
         load_heads_drafter("markov", tiny, DrafterOptions(heads=str(tmp_path / "nowhere")))
+    eagle3_dir = layer_dir(tiny, tmp_path / "eagle3")  # the other kind of trained drafter: named, not "missing"
+    with pytest.raises(CausalDraftError, match="holds an eagle3 layer, not markov/medusa heads: use --drafter eagle3"):
+        load_heads_drafter("markov", tiny, DrafterOptions(heads=str(eagle3_dir)))
+    with pytest.raises(CausalDraftError, match="holds markov/medusa heads, not an eagle3 layer"):
+        load_eagle3_drafter(tiny, DrafterOptions(heads=str(heads_dir)))
 
 
 def test_corrupt_or_missing_files(tiny: LoadedModel, tmp_path: Path) -> None:

@@ -228,6 +228,11 @@ def save_layer(layer: Eagle3Layer, directory: Path, extra: dict[str, object] | N
 def read_config(directory: Path) -> tuple[Eagle3Config, dict[str, object]]:
     path = directory / CONFIG_FILE
     if not path.is_file():
+        from causaldraft.drafters import heads
+
+        if (directory / heads.CONFIG_FILE).is_file():
+            raise CausalDraftError(f"{directory} holds markov/medusa heads, not an eagle3 layer: use --drafter markov "
+                                   "or medusa")  # fmt: skip
         raise CausalDraftError(f"no eagle3 drafter in {directory}: {CONFIG_FILE} is missing")
     try:
         record = json.loads(path.read_text())

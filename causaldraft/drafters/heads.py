@@ -143,6 +143,10 @@ def save_heads(heads: DraftHeads, directory: Path, extra: dict[str, object] | No
 def read_config(directory: Path) -> tuple[HeadsConfig, dict[str, object]]:
     path = directory / CONFIG_FILE
     if not path.is_file():
+        from causaldraft.drafters import eagle3_model
+
+        if (directory / eagle3_model.CONFIG_FILE).is_file():
+            raise CausalDraftError(f"{directory} holds an eagle3 layer, not markov/medusa heads: use --drafter eagle3")
         raise CausalDraftError(f"no trained heads in {directory}: {CONFIG_FILE} is missing")
     try:
         record = json.loads(path.read_text())

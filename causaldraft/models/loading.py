@@ -184,7 +184,15 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise CausalDraftError(
+            f"{model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's tokenizer "
+            "beside its weights"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as error:  # tokenizers raise many types for missing/corrupt files

@@ -22,6 +22,7 @@ from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.paths import causaldraft_home
+from causaldraft.train.data import read_meta
 from causaldraft.train.eagle3_train import load_sequences
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         fingerprint = loaded.fingerprint
         generated = generate_features(backend, loaded.tokenizer, args.prompts, directory, (), config, fingerprint)
     sequences = load_sequences(directory)
-    meta = json.loads((directory / "meta.json").read_text()) if (directory / "meta.json").is_file() else {}
+    meta = read_meta(directory) or {}
     if meta.get("fingerprint", loaded.fingerprint) != loaded.fingerprint:
         raise CausalDraftError(f"{directory} holds another model's answers (fingerprint {meta.get('fingerprint')})")
     if meta.get("temperature", 0.0):

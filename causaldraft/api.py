@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import random
 import sys
 import time
 import typing
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -321,6 +323,18 @@ class TextTracker:
         return self.take(final=True)
 
 
+@contextlib.contextmanager
+def quiet_graph_builds() -> Iterator[None]:
+    """Building a compiled graph of an int4 model makes torch 2.13 deep-copy an FX graph, and with it a
+    pytree ``LeafSpec``, a class torch itself deprecated: one FutureWarning per graph that says nothing a
+    user can act on. It is hidden here; any other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
+        yield
+
+
 def compile_backend(target: LoadedModel, progress: bool = True) -> bool:
     """Run the target's passes through compiled graphs (built once, then loaded from disk).
     Returns False, after one line saying why, where no compiler is available."""
@@ -335,7 +349,8 @@ def compile_backend(target: LoadedModel, progress: bool = True) -> bool:
     if reason is not None:
         print(f"causaldraft: running eagerly: {reason}", file=sys.stderr)
         return False
-    compile_model(backend, progress=progress)
+    with quiet_graph_builds():
+        compile_model(backend, progress=progress)
     return True
 
 

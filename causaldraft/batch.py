@@ -35,7 +35,7 @@ from causaldraft.adapt import (
     expected_tokens,
     plausible_calibration,
 )
-from causaldraft.api import Completion, Engine, Generation, Prompt, RequestRun, StreamPiece
+from causaldraft.api import Completion, Engine, Generation, Prompt, RequestRun, StreamPiece, quiet_graph_builds
 from causaldraft.cache import CachePool
 from causaldraft.decode import PROMPT_CHUNK, StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
 from causaldraft.drafters.base import Draft
@@ -85,7 +85,8 @@ class Batch:
         backend = engine.model.backend
         self.backend = backend if isinstance(backend, NativeLlama) and size > 1 else None
         if self.backend is not None and self.backend.compiled and self.backend.batch_sequences != size:
-            compile_batch(self.backend, size)  # built once per model, dtype, CPU and batch size
+            with quiet_graph_builds():
+                compile_batch(self.backend, size)  # built once per model, dtype, CPU and batch size
         self.context = min(context, backend.shape.max_positions)
         # a pool slot holds the context plus a tree's scratch rows
         slot_length = self.context + engine.decoder.tree.max_nodes + 1

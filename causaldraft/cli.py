@@ -64,7 +64,7 @@ def run_compile(args: argparse.Namespace) -> int:
     with the graphs; ``--recalibrate`` times them again)."""
     import torch
 
-    from causaldraft.api import compile_backend, verify_cost
+    from causaldraft.api import compile_backend, quiet_graph_builds, verify_cost
     from causaldraft.models.compiled import GraphStore, compile_batch
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama, default_aux_layers
@@ -82,7 +82,8 @@ def run_compile(args: argparse.Namespace) -> int:
         cost = verify_cost(backend, max_nodes, aux_layers, remeasure=args.recalibrate)
         seconds[str(list(aux_layers))] = {size: round(value * 1000, 2) for size, value in sorted(cost.seconds.items())}
     if args.batch > 1:  # the server's batch passes (``causaldraft serve --max-batch``)
-        compile_batch(backend, args.batch)
+        with quiet_graph_builds():
+            compile_batch(backend, args.batch)
     threads = torch.get_num_threads()
     invariant = thread_invariant(backend, threads, target.prefill, recheck=args.recalibrate)
     store = backend.graph_store

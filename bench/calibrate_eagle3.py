@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from causaldraft.drafters.eagle3_model import CALIBRATION_FIELDS, CONFIG_FILE, load_layer, read_config
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
@@ -49,7 +48,7 @@ def main() -> None:
     loaded = load_model(args.model, "native", args.dtype)
     backend = loaded.backend
     use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
-    layer = load_layer(args.heads, base_fingerprint(backend), backend.shape.vocab_size, backend.shape.hidden_size)
+    layer = load_layer(args.heads, loaded.base_fingerprint, backend.shape.vocab_size, backend.shape.hidden_size)
     started = time.perf_counter()
     generation = FeatureGenConfig(tokens=args.tokens, seed=args.data_seed, temperature=args.data_temperature)
     generate_features(backend, loaded.tokenizer, tuple(args.prompts), args.work,

@@ -18,7 +18,7 @@ import torch
 
 from causaldraft.drafters.eagle3 import default_eagle3_dir
 from causaldraft.drafters.eagle3_model import load_layer
-from causaldraft.drafters.heads import base_fingerprint, default_heads_dir, load_heads
+from causaldraft.drafters.heads import default_heads_dir, load_heads
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
 from causaldraft.train.eagle3_train import evaluate_layer, load_sequences, split_sequences
@@ -41,7 +41,7 @@ def main() -> int:
     shape = backend.shape
     _, held = split_sequences(load_sequences(args.work), args.eval_every)
     embed = backend.embed(torch.arange(shape.vocab_size)).float()
-    layer = load_layer(args.eagle3, base_fingerprint(backend), shape.vocab_size, shape.hidden_size)
+    layer = load_layer(args.eagle3, target.base_fingerprint, shape.vocab_size, shape.hidden_size)
     results = {"eagle3": evaluate_layer(layer, held, embed, args.depths, 48).summary()}
     items = []
     with torch.inference_mode():
@@ -58,7 +58,7 @@ def main() -> int:
         segments=len(items),
     )
     for kind in ("markov", "medusa"):
-        heads = load_heads(args.heads_root / kind, backend, kind)
+        heads = load_heads(args.heads_root / kind, target, kind)
         results[kind] = evaluate(heads, features, embed).summary()
     print(json.dumps({"held_out_sequences": len(held), **results}, indent=2))
     return 0

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
@@ -118,7 +117,7 @@ def main() -> None:
     loaded = load_model(args.model, "native", "bfloat16")
     backend = loaded.backend
     use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
-    layer = load_layer(args.heads, base_fingerprint(backend), backend.shape.vocab_size, backend.shape.hidden_size)
+    layer = load_layer(args.heads, loaded.base_fingerprint, backend.shape.vocab_size, backend.shape.hidden_size)
     generation = FeatureGenConfig(tokens=args.tokens, seed=args.data_seed, temperature=args.data_temperature)
     generate_features(backend, loaded.tokenizer, tuple(args.prompts), args.work,
                       layer.config.aux_layers, generation, loaded.fingerprint)  # fmt: skip

@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import save_file
 
 from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, read_config
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel
 
@@ -108,7 +107,7 @@ def export_eagle3(directory: Path, target: LoadedModel, out: Path, verifier: str
     ``verifier``: the name vLLM will serve the target under (default: its local checkpoint dir)."""
     config, _ = read_config(directory)
     shape = target.backend.shape
-    layer = load_layer(directory, base_fingerprint(target.backend), shape.vocab_size, shape.hidden_size)
+    layer = load_layer(directory, target.base_fingerprint, shape.vocab_size, shape.hidden_size)
     if config.aux_layers != tuple(sorted(config.aux_layers)):
         raise CausalDraftError(f"aux layers {config.aux_layers} must be increasing to export (vLLM's order)")
     source = json.loads((target.model_dir / "config.json").read_text())
@@ -124,7 +123,7 @@ def write_reference(directory: Path, target: LoadedModel, path: Path, rows: int 
     """Inputs and causaldraft's float32 logits of one causal pass of the layer, for the export
     check (bench/eagle3_export_check.py): features from a real target pass over ``rows`` tokens."""
     shape = target.backend.shape
-    layer = load_layer(directory, base_fingerprint(target.backend), shape.vocab_size, shape.hidden_size)
+    layer = load_layer(directory, target.base_fingerprint, shape.vocab_size, shape.hidden_size)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, shape.vocab_size, (rows + 1,), generator=generator)
     cache = target.backend.new_cache(rows)

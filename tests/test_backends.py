@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+import causaldraft
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
@@ -25,6 +26,7 @@ from causaldraft.models.loading import (
 )
 from causaldraft.models.native import NativeLlama
 from causaldraft.tree import Tree, compile_tree, full_mask
+from tests.tiny import byte_tokenizer, save_tiny_llama, tiny_llama_config
 
 PREFIX = [5, 17, 42, 99, 3, 250, 8, 61]
 
@@ -161,6 +163,61 @@ def test_missing_weights_are_a_clear_error(tiny_llama_dir: Path, tmp_path: Path)
     save_file({"layers.0.qkv.nibbles": torch.zeros(2, dtype=torch.uint8)}, str(broken / "quant-int4.safetensors"))
     with pytest.raises(CausalDraftError, match="safetensors"):
         load_model(str(broken), dtype="float32")
+
+
+@pytest.mark.parametrize("variant", ["attention_bias", "mlp_bias"])
+def test_a_llama_with_biases_native_drops_is_refused_and_hf_decodes_it(tmp_path: Path, variant: str) -> None:
+    """A Llama with ``attention_bias`` has an ``o_proj`` bias, one with ``mlp_bias`` MLP biases; the native
+    backend reads neither, so it would decode another model: it refuses, and ``--backend hf`` decodes it as
+    transformers does."""
+    directory = save_tiny_llama(tmp_path / variant, **{variant: True})
+    with torch.no_grad():  # transformers starts biases at zero: make them matter
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.5)
+        model.save_pretrained(str(directory))
+    part = "o_proj.bias" if variant == "attention_bias" else "_proj.bias"
+    with pytest.raises(CausalDraftError, match=rf"does not read \d+ tensors .*{part}.*--backend hf"):
+        load_model(str(directory), backend="native", dtype="float32")
+    engine = causaldraft.load(model=str(directory), backend="hf", dtype="float32", drafter="lookup", compile=False,
+                              calibrate=False)  # fmt: skip
+    prompt = "abcabc abcabc"
+    ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert engine.generate(prompt, max_new_tokens=12).token_ids == expected[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_sliding_window_caps_the_context_where_decoding_stays_the_models(tmp_path: Path, backend: str) -> None:
+    """Both backends attend to the whole context, which is what a Mistral with a sliding window computes
+    only while the context fits in the window: the context is capped there, a longer request is refused,
+    and within it the output is transformers' (whose own sliding cache once crashed the hf backend)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    directory = tmp_path / "mistral"
+    torch.manual_seed(0)
+    settings = tiny_llama_config().to_dict()
+    settings.update(model_type="mistral", sliding_window=16)
+    for key in ("architectures", "transformers_version", "rope_scaling"):
+        settings.pop(key, None)
+    model = MistralForCausalLM(MistralConfig(**settings))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(str(directory))
+    byte_tokenizer().save_pretrained(str(directory))
+    engine = causaldraft.load(model=str(directory), backend=backend, dtype="float32", drafter="lookup",
+                              compile=False, calibrate=False)  # fmt: skip
+    assert engine.model.backend.shape.max_positions == 16
+    prompt = "abcabc"
+    ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
+    new = 16 - ids.shape[1]
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert engine.generate(prompt, max_new_tokens=new).token_ids == expected[0, ids.shape[1] :].tolist()
+    with pytest.raises(CausalDraftError, match="context of 16 tokens"):
+        engine.generate(prompt, max_new_tokens=new + 1)
 
 
 def test_unsupported_architecture_on_native_points_to_hf(tiny_gpt2_dir: Path) -> None:

@@ -92,7 +92,7 @@ def test_graphs_are_built_once_and_loaded_by_the_next_process(tiny_llama_dir: Pa
     store = GraphStore(key_of(second), graph_root)
     compile_model(second, buckets=(1, 4, 32), store=store)
     assert store.builds == 0 and second.compiled
-    loaded = causaldraft.models.loading.LoadedModel(second, plain.tokenizer, tiny_llama_dir, "x", "float32")
+    loaded = causaldraft.models.loading.LoadedModel(second, plain.tokenizer, tiny_llama_dir, "x", "float32", "y")
     spec = causaldraft.load(
         loaded=loaded, drafter="lookup", calibrate=False, fallback=False, max_nodes=4, compile=False
     )

@@ -36,7 +36,6 @@ from causaldraft.drafters.eagle3_model import (
     save_layer,
     widen_vocabulary,
 )
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.registry import DrafterOptions
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
@@ -357,7 +356,7 @@ def test_loading_errors_are_clear(tiny: LoadedModel, tmp_path: Path) -> None:
     with pytest.raises(CausalDraftError, match="does not exist"):
         load_eagle3_drafter(tiny, options)
     directory = layer_dir(tiny, tmp_path / "good")
-    fingerprint = base_fingerprint(tiny.backend)
+    fingerprint = tiny.base_fingerprint
     with pytest.raises(CausalDraftError, match="another base model"):
         load_layer(directory, "0" * 16, 259, 64)
     with pytest.raises(CausalDraftError, match="no trained eagle3 drafter"):
@@ -482,6 +481,25 @@ def test_packed_layer_drafts_what_the_plain_layer_drafts(tiny: LoadedModel) -> N
         top = outs[0].topk(2, dim=-1).values
         clear = top[:, 0] - top[:, 1] > 2 * tolerance  # no near-tie: the same draft
         assert torch.equal(outs[1].argmax(-1)[clear], outs[0].argmax(-1)[clear])
+
+
+def test_a_target_rope_the_layer_cannot_take_is_refused_before_any_data_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The draft layer runs the default rope: a target with llama3 rope scaling is refused at once, not
+    after the data generation (hours at the default --tokens)."""
+    from tests.tiny import save_tiny_llama
+
+    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 128}  # fmt: skip
+    model = save_tiny_llama(tmp_path / "llama3-rope", rope_scaling=scaled, rope_theta=500000.0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat\n")
+    code = main(["train-heads", "--model", str(model), "--prompts", str(prompts), "--heads", "eagle3",
+                 "--tokens", "400", "--dtype", "float32", "--work", str(tmp_path / "work"),
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2 and "default rope only, not 'llama3'" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
 
 
 def test_train_heads_cli_trains_eagle3_and_continues_from_init(

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 from causaldraft.drafters.eagle3_model import load_layer, save_layer
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.export import export_eagle3, write_reference
 from causaldraft.models.loading import LoadedModel, load_model
 from tests.test_eagle3 import random_layer
@@ -43,7 +42,7 @@ def test_export_layout_and_vocabulary_maps(tiny_bf16: LoadedModel, tmp_path: Pat
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_bf16.model_dir)
     weights = load_file(str(out / "model.safetensors"))
-    layer = load_layer(directory, base_fingerprint(tiny_bf16.backend), 259, 64)
+    layer = load_layer(directory, tiny_bf16.base_fingerprint, 259, 64)
     assert torch.equal(torch.arange(200) + weights["d2t"], layer.vocab_ids)
     assert int(weights["t2d"].sum()) == 200 and bool(weights["t2d"][layer.vocab_ids].all())
     q, k, v = (weights[f"layers.0.self_attn.{name}_proj.weight"] for name in "qkv")

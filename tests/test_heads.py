@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from causaldraft.api import load
 from causaldraft.config import SamplingConfig
@@ -17,7 +19,6 @@ from causaldraft.drafters.heads import (
     WEIGHTS_FILE,
     HeadsConfig,
     HeadsDrafter,
-    base_fingerprint,
     load_heads,
     load_heads_drafter,
     new_heads,
@@ -44,9 +45,7 @@ def random_heads_dir(
     tiny: LoadedModel, kind: str, directory: Path, seed: int = 0, fingerprint: str | None = None
 ) -> Path:
     shape = tiny.backend.shape
-    config = HeadsConfig(
-        kind, 4, shape.hidden_size, shape.vocab_size, 200, fingerprint or base_fingerprint(tiny.backend)
-    )
+    config = HeadsConfig(kind, 4, shape.hidden_size, shape.vocab_size, 200, fingerprint or tiny.base_fingerprint)
     vocab_ids = torch.randperm(shape.vocab_size, generator=torch.Generator().manual_seed(seed))[:200].sort().values
     heads = new_heads(config, vocab_ids, tiny.backend.lm_head_weight(), seed)
     generator = torch.Generator().manual_seed(seed)  # not the global RNG: the same heads whatever ran before
@@ -89,7 +88,7 @@ def test_seeded_sampling_is_reproducible(tiny: LoadedModel, tmp_path: Path) -> N
 
 
 def test_markov_children_depend_on_their_path(tiny: LoadedModel, tmp_path: Path) -> None:
-    markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny.backend)
+    markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny)
     drafter = HeadsDrafter(markov, tiny.backend, lookup_merge=False)
     hidden = torch.randn(tiny.backend.shape.hidden_size)
     context = DraftContext((5, 6, 7), hidden, "static", 3, 3, 32, SamplingConfig(), None)
@@ -103,7 +102,7 @@ def test_markov_children_depend_on_their_path(tiny: LoadedModel, tmp_path: Path)
 
 
 def test_root_only_without_hidden(tiny: LoadedModel, tmp_path: Path) -> None:
-    heads = load_heads(random_heads_dir(tiny, "medusa", tmp_path / "m"), tiny.backend)
+    heads = load_heads(random_heads_dir(tiny, "medusa", tmp_path / "m"), tiny)
     drafter = HeadsDrafter(heads, tiny.backend)
     draft = drafter.propose(DraftContext((9,), None, "dynamic", 4, 3, 16, SamplingConfig(), None))
     assert draft.tree.tokens == (9,)
@@ -113,6 +112,36 @@ def test_fingerprint_mismatch_is_a_clear_error(tiny: LoadedModel, tmp_path: Path
     heads_dir = random_heads_dir(tiny, "markov", tmp_path / "m", fingerprint="0123456789abcdef")
     with pytest.raises(CausalDraftError, match="another base model"):
         load_heads_drafter("markov", tiny, DrafterOptions(heads=str(heads_dir)))
+
+
+def test_a_fine_tune_or_another_rope_is_another_model_whatever_the_dtype(
+    tiny: LoadedModel, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The fingerprint heads are paired with covers every weight and the rope: a fine-tune that keeps its
+    base's embeddings, or the same weights under another rope, is refused the base's heads (the old
+    fingerprint, sizes and the first embeddings, let both through). A copy elsewhere, or another dtype, is
+    the same model."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_dir, copy)
+    for dtype in ("float32", "bfloat16", "int8"):
+        assert load_model(str(copy), "native", dtype).base_fingerprint == tiny.base_fingerprint
+    assert load_model(str(copy), "native", "bfloat16").fingerprint != tiny.fingerprint  # work folders differ
+    heads_dir = random_heads_dir(tiny, "markov", tmp_path / "heads")
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_llama_dir, tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    weights["model.layers.3.mlp.down_proj.weight"][-1, 0] += 0.01  # one weight of the last row of a late layer
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    roped = tmp_path / "roped"
+    shutil.copytree(tiny_llama_dir, roped)
+    config = json.loads((roped / "config.json").read_text())
+    config["rope_theta"] = 50000.0
+    (roped / "config.json").write_text(json.dumps(config))
+    for other in (tuned, roped):
+        loaded = load_model(str(other), "native", "float32")
+        assert loaded.base_fingerprint != tiny.base_fingerprint
+        with pytest.raises(CausalDraftError, match="another base model .*older fingerprint"):
+            load_heads(heads_dir, loaded)
 
 
 def test_kind_mismatch_and_missing_default(tiny: LoadedModel, tmp_path: Path) -> None:
@@ -185,7 +214,7 @@ def test_int8_drafting_agrees_with_bf16_drafting(tiny: LoadedModel, tmp_path: Pa
     """Drafting projects one or two rows in int8 (DraftLinear; without oneDNN, every row for
     quantized targets): the same chains as bf16 drafting but for near-ties (lossless either way:
     drafts only decide what gets verified)."""
-    markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny.backend)
+    markov = load_heads(random_heads_dir(tiny, "markov", tmp_path / "m"), tiny)
     bf16 = HeadsDrafter(markov, tiny.backend, lookup_merge=False)
     out_weight = markov.out_weight.to(torch.bfloat16)
     bf16.project = lambda x: x @ out_weight.t()
@@ -207,7 +236,7 @@ def test_drafting_feeds_every_head_as_training_does(tiny: LoadedModel, tmp_path:
     from causaldraft.train.features import Features, sequence_features
     from causaldraft.train.trainer import draft_index, head_logits, make_batch
 
-    heads = load_heads(random_heads_dir(tiny, kind, tmp_path / kind), tiny.backend)
+    heads = load_heads(random_heads_dir(tiny, kind, tmp_path / kind), tiny)
     prompt = tiny.tokenizer.encode(PROMPTS[1])
     response = (
         load(loaded=tiny, drafter="none", calibrate=False, compile=False).generate(prompt, max_new_tokens=12).token_ids

@@ -18,7 +18,6 @@ from causaldraft.api import load
 from causaldraft.cli import main
 from causaldraft.config import SamplingConfig
 from causaldraft.drafters.base import DraftContext, StepResult
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.lookup import Continuation, LookupDrafter, Match, prior_first_rate
 from causaldraft.drafters.store import (
     CONFIG_FILE,
@@ -132,13 +131,13 @@ def answers(tiny: LoadedModel) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def store_dir(tiny: LoadedModel, answers: list[list[int]], tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("store")
-    config = StoreConfig(base_fingerprint(tiny.backend), tiny.backend.shape.vocab_size, 0, len(answers))
+    config = StoreConfig(tiny.base_fingerprint, tiny.backend.shape.vocab_size, 0, len(answers))
     save_store(directory, answers, config)
     return directory
 
 
 def test_files_round_trip_and_bad_stores_are_refused(tiny: LoadedModel, store_dir: Path, tmp_path: Path) -> None:
-    fingerprint, vocab = base_fingerprint(tiny.backend), tiny.backend.shape.vocab_size
+    fingerprint, vocab = tiny.base_fingerprint, tiny.backend.shape.vocab_size
     store = load_store(store_dir, fingerprint, vocab)
     assert len(store) > 0 and store.config.sequences == len(CORPUS_PROMPTS)
     with pytest.raises(CausalDraftError, match="another model's answers"):
@@ -252,7 +251,7 @@ def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytes
     assert summary["tokens"] == config["tokens"] >= 50 and summary["ngrams"] > 0
     assert config["record"]["data"] == str(work / "store-data-seed0") and config["sequences"] > 1
     tiny32 = load_model(str(tiny_llama_dir), "native", "float32")  # the store fits every dtype of the model
-    assert len(load_store(out, base_fingerprint(tiny32.backend), tiny32.backend.shape.vocab_size)) > 0
+    assert len(load_store(out, tiny32.base_fingerprint, tiny32.backend.shape.vocab_size)) > 0
     again = tmp_path / "again"
     assert main(["build-store", "--model", str(tiny_llama_dir), "--from", str(tmp_path / "work" / "store-data-seed0"),
                  "--out", str(again)]) == 0  # fmt: skip

@@ -10,13 +10,14 @@ import torch
 
 from causaldraft.api import load
 from causaldraft.cli import main
-from causaldraft.drafters.heads import HeadsConfig, base_fingerprint, load_heads, new_heads
+from causaldraft.drafters.heads import HeadsConfig, load_heads, new_heads
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
-from causaldraft.train.data import cut_at_eos, mix_prompts, read_prompts
+from causaldraft.train.data import cut_at_eos, encode_prompts, mix_prompts, read_prompts
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.features import compute_features, draft_vocabulary, split_features
 from causaldraft.train.trainer import TrainConfig, train
+from tests.tiny import byte_tokenizer
 
 WORDS = ["the cat sat", "hello world", "abc abc", "one two three", "red green blue", "up down", "yes no"]
 
@@ -42,6 +43,21 @@ def trained(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         outputs[kind] = root / kind
     outputs["work"] = root / "work"
     return outputs
+
+
+def test_a_tokenizer_without_a_chat_template_trains_on_the_prompts_as_plain_text(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A base model has no chat template: its prompts are encoded as ``generate`` without --chat encodes
+    them (this once raised transformers' ValueError from inside train-heads)."""
+    tokenizer = byte_tokenizer()
+    templated = encode_prompts(tokenizer, ["hi there"], 64)
+    tokenizer.chat_template = None
+    assert encode_prompts(tokenizer, ["hi there", "x" * 100], 64) == [
+        tokenizer.encode("hi there", add_special_tokens=False)
+    ]
+    assert templated[0] != tokenizer.encode("hi there", add_special_tokens=False)
+    assert "no chat template" in capsys.readouterr().err
 
 
 def test_prompt_formats(tmp_path: Path) -> None:
@@ -90,6 +106,24 @@ def test_a_work_folder_refuses_data_of_another_model_or_other_prompts(
         assert not (tmp_path / "heads").exists()
 
 
+def test_a_rerun_at_another_learning_rate_trains_instead_of_reloading_the_finished_run(
+    trained: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fixture's markov run again on its --work at another --lr: the training checkpoint is another one,
+    so it trains (the finished checkpoint of the fixture's run was once reloaded, and its loss reported)."""
+    capsys.readouterr()
+    flags = ["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(write_prompts(tmp_path)), "--heads",
+             "markov", "--num-heads", "3", "--draft-vocab", "160", "--tokens", "1200", "--max-new-tokens", "48",
+             "--gen-batch-size", "8", "--steps", "40", "--batch-size", "128", "--dtype", "float32",
+             "--work", str(trained["work"])]  # fmt: skip
+    assert main([*flags, "--lr", "0.01", "--out", str(tmp_path / "other-lr")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    first = json.loads((trained["markov"] / "heads_config.json").read_text())["training"]
+    assert summary["first_loss"] == pytest.approx(first["first_loss"])  # the same start (same seed and data)
+    assert summary["last_loss"] != pytest.approx(first["last_loss"]) and summary["seconds_this_run"]["train_s"] > 0
+    assert len(list(trained["work"].glob("ckpt-markov-*.pt"))) == 2
+
+
 def test_feature_segments_follow_the_documented_layout(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
     work = trained["work"]
     shard = torch.load(sorted((work / "gen").glob("shard_*.pt"))[0], weights_only=True)
@@ -112,7 +146,7 @@ def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_
     vocab_ids = draft_vocabulary(train_set, shape.vocab_size, 128)
     embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
     for kind in ("markov", "medusa"):
-        config = HeadsConfig(kind, 3, shape.hidden_size, shape.vocab_size, 128, base_fingerprint(tiny.backend))
+        config = HeadsConfig(kind, 3, shape.hidden_size, shape.vocab_size, 128, tiny.base_fingerprint)
         heads = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
         before = evaluate(heads, eval_set, embed)
         history = train(heads, train_set, embed, TrainConfig(steps=60, batch_size=128, warmup=5))
@@ -129,7 +163,7 @@ def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_
     shape = tiny.backend.shape
     vocab_ids = draft_vocabulary(features, shape.vocab_size, 128)
     embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
-    config = HeadsConfig("markov", 2, shape.hidden_size, shape.vocab_size, 128, base_fingerprint(tiny.backend))
+    config = HeadsConfig("markov", 2, shape.hidden_size, shape.vocab_size, 128, tiny.base_fingerprint)
     straight = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
     full = train(straight, features, embed, TrainConfig(steps=8, batch_size=32, autocast=False))
     resumed = new_heads(config, vocab_ids, tiny.backend.lm_head_weight())
@@ -147,7 +181,7 @@ def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_
 def test_trained_heads_keep_greedy_output(trained: dict[str, Path], tiny_llama_dir: Path, kind: str, tree: str) -> None:
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
     config = json.loads((trained[kind] / "heads_config.json").read_text())
-    assert config["fingerprint"] == base_fingerprint(tiny.backend) and config["training"]["steps"] == 40
+    assert config["fingerprint"] == tiny.base_fingerprint and config["training"]["steps"] == 40
     plain = load(loaded=tiny, drafter="none", calibrate=False, compile=False)
     engine = load(loaded=tiny, drafter=kind, tree=tree, heads=str(trained[kind]), lookup_merge=False,
                   calibrate=False, fallback=False, compile=False)  # fmt: skip
@@ -155,7 +189,7 @@ def test_trained_heads_keep_greedy_output(trained: dict[str, Path], tiny_llama_d
         expected = plain.generate(prompt, max_new_tokens=40).token_ids
         result = engine.generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected
-    heads = load_heads(trained[kind], tiny.backend, kind)
+    heads = load_heads(trained[kind], tiny, kind)
     assert heads.config.num_heads == 3
 
 

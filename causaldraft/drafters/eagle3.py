@@ -270,9 +270,7 @@ def default_eagle3_dir() -> Path:
 
 def load_eagle3_drafter(target, options, store: NgramStore | None = None) -> Eagle3Drafter:  # type: ignore[no-untyped-def]
     """The registry's constructor: options.heads, or the shipped layer for the default model."""
-    from causaldraft.drafters.heads import base_fingerprint
-
-    fingerprint = base_fingerprint(target.backend)
+    fingerprint = target.base_fingerprint
     if options.heads is not None:
         directory = Path(options.heads).expanduser()
         if not directory.is_dir():

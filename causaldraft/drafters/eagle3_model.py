@@ -31,6 +31,7 @@ from torch import nn
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import attention_kernel
+from causaldraft.models.identity import OLD_FINGERPRINTS
 from causaldraft.models.native import RMSNorm, apply_rope, attend
 from causaldraft.models.packed import DraftLinear
 
@@ -54,7 +55,7 @@ class Eagle3Config:
     target_layers: int
     rope_theta: float
     max_positions: int
-    fingerprint: str  # base_fingerprint of the target
+    fingerprint: str  # LoadedModel.base_fingerprint of the target
     # calibration (train/calibration.py; 1.0 in configs written before it): node scores are
     # softmax(logits / score_temperature); Gumbel sampling ranks at T * sampling_temperature_scale
     # and scores softmax((log q + g) / noise_score_temperature) (drafters/ranking.noise_scores)
@@ -252,7 +253,8 @@ def load_layer(directory: Path, fingerprint: str, vocab_size: int, hidden_size: 
     if config.fingerprint != fingerprint or config.hidden_size != hidden_size or config.vocab_size != vocab_size:
         raise CausalDraftError(
             f"the eagle3 drafter in {directory} was trained for another base model (fingerprint "
-            f"{config.fingerprint}, this model {fingerprint}); train one with causaldraft train-heads --heads eagle3"
+            f"{config.fingerprint}, this model {fingerprint}); train one with causaldraft train-heads --heads eagle3 "
+            f"({OLD_FINGERPRINTS})"
         )
     path = directory / WEIGHTS_FILE
     if not path.is_file():

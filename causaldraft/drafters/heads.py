@@ -20,7 +20,6 @@ head 2 on it ranks "sat". A node at depth K gets no children.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from causaldraft.drafters.ranking import rank_children
 from causaldraft.drafters.store import NgramStore
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
+from causaldraft.models.identity import OLD_FINGERPRINTS
+from causaldraft.models.loading import LoadedModel
 from causaldraft.models.packed import DraftLinear
 from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import Int8Linear, quantize_int8
@@ -55,24 +56,13 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int  # the target's full vocabulary
     draft_vocab: int  # V'
-    fingerprint: str  # base_fingerprint of the base model
+    fingerprint: str  # LoadedModel.base_fingerprint of the base model
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise CausalDraftError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
         if self.num_heads < 1 or self.hidden_size < 1 or not 1 <= self.draft_vocab <= self.vocab_size:
             raise CausalDraftError(f"invalid heads sizes: {self}")
-
-
-def base_fingerprint(backend: Backend) -> str:
-    """The base model's identity for pairing heads with it, independent of the load dtype: like
-    LoadedModel.fingerprint (equal to it for a bfloat16 load) but over the embeddings rounded to
-    bfloat16, so heads trained on a bf16 target also load on its float32 copy."""
-    weights = backend.embed(torch.arange(min(256, backend.shape.vocab_size))).to(torch.bfloat16).float()
-    digest = hashlib.sha256()
-    digest.update(repr(backend.shape).encode())
-    digest.update((weights * 1000).round().to(torch.int32).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def rms_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -158,16 +148,16 @@ def read_config(directory: Path) -> tuple[HeadsConfig, dict[str, object]]:
         raise CausalDraftError(f"corrupt heads config {path}: {error}") from error
 
 
-def load_heads(directory: Path, backend: Backend, kind: str | None = None) -> DraftHeads:
-    """Load trained heads for ``backend``; fail clearly on a kind or base-model mismatch."""
+def load_heads(directory: Path, target: LoadedModel, kind: str | None = None) -> DraftHeads:
+    """Load trained heads for ``target``; fail clearly on a kind or base-model mismatch."""
     config, _ = read_config(directory)
-    fingerprint = base_fingerprint(backend)
+    fingerprint = target.base_fingerprint
     if kind is not None and config.kind != kind:
         raise CausalDraftError(f"{directory} holds {config.kind} heads, not {kind} heads")
-    if config.fingerprint != fingerprint or config.hidden_size != backend.shape.hidden_size:
+    if config.fingerprint != fingerprint or config.hidden_size != target.backend.shape.hidden_size:
         raise CausalDraftError(
             f"heads in {directory} were trained for another base model (fingerprint {config.fingerprint}, "
-            f"this model {fingerprint}); train heads for it with causaldraft train-heads"
+            f"this model {fingerprint}); train heads for it with causaldraft train-heads ({OLD_FINGERPRINTS})"
         )
     path = directory / WEIGHTS_FILE
     if not path.is_file():
@@ -179,9 +169,9 @@ def load_heads(directory: Path, backend: Backend, kind: str | None = None) -> Dr
     vocab_ids = tensors.pop("vocab_ids", None)
     if vocab_ids is None or vocab_ids.numel() != config.draft_vocab:
         raise CausalDraftError(f"corrupt heads weights {path}: missing or wrong-sized vocab_ids")
-    if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= backend.shape.vocab_size:
+    if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= target.backend.shape.vocab_size:
         raise CausalDraftError(f"corrupt heads weights {path}: draft ids outside the vocabulary")
-    heads = new_heads(config, vocab_ids, backend.lm_head_weight())
+    heads = new_heads(config, vocab_ids, target.backend.lm_head_weight())
     try:
         heads.load_state_dict({name: value.float() for name, value in tensors.items()})
     except RuntimeError as error:
@@ -309,10 +299,10 @@ def default_heads_dir(kind: str) -> Path:
     return Path(__file__).resolve().parent.parent / "heads" / "default" / kind
 
 
-def shipped_heads_fit(kind: str, backend: Backend) -> bool:
-    """Whether heads of this kind ship with the package for the model ``backend`` runs."""
+def shipped_heads_fit(kind: str, target: LoadedModel) -> bool:
+    """Whether heads of this kind ship with the package for ``target``."""
     directory = default_heads_dir(kind)
-    return (directory / CONFIG_FILE).is_file() and read_config(directory)[0].fingerprint == base_fingerprint(backend)
+    return (directory / CONFIG_FILE).is_file() and read_config(directory)[0].fingerprint == target.base_fingerprint
 
 
 def load_heads_drafter(kind: str, target, options, store: NgramStore | None = None) -> HeadsDrafter:  # type: ignore[no-untyped-def]
@@ -326,11 +316,11 @@ def load_heads_drafter(kind: str, target, options, store: NgramStore | None = No
             raise CausalDraftError(f"heads directory {directory} does not exist")
     else:
         directory = default_heads_dir(kind)
-        if not shipped_heads_fit(kind, target.backend):
+        if not shipped_heads_fit(kind, target):
             raise CausalDraftError(
                 f"no trained {kind} heads for this model; pass --heads DIR (see causaldraft train-heads) "
                 "or use --drafter lookup"
             )
-    heads = load_heads(directory, target.backend, kind)
+    heads = load_heads(directory, target, kind)
     quantized = target.backend.quantized  # int8/int4 target: int8 drafting too
     return HeadsDrafter(heads, target.backend, lookup_merge=options.lookup_merge, int8=quantized, store=store)

@@ -39,11 +39,9 @@ def lookup_store(target: LoadedModel, options: DrafterOptions) -> NgramStore | N
     """The n-gram store prompt lookup walks besides the text so far (drafters/store.py): the one
     in ``options.store`` (refused if it does not fit the target), else the store shipped for the
     default model when the target is that model, else none."""
-    from causaldraft.drafters.heads import base_fingerprint
-
     if not options.use_store:
         return None
-    fingerprint, vocab_size = base_fingerprint(target.backend), target.backend.shape.vocab_size
+    fingerprint, vocab_size = target.base_fingerprint, target.backend.shape.vocab_size
     if options.store is not None:
         directory = Path(options.store).expanduser()
         if not directory.is_dir():

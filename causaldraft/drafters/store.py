@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from causaldraft.errors import CausalDraftError
+from causaldraft.models.identity import OLD_FINGERPRINTS
 
 STORE_FILE = "store.safetensors"
 CONFIG_FILE = "store_config.json"
@@ -45,7 +46,7 @@ MASK = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class StoreConfig:
-    fingerprint: str  # heads.base_fingerprint of the model whose answers fill the store
+    fingerprint: str  # LoadedModel.base_fingerprint of the model whose answers fill the store
     vocab_size: int
     tokens: int  # corpus size, response tokens
     sequences: int
@@ -215,7 +216,7 @@ def load_store(directory: Path, fingerprint: str, vocab_size: int) -> NgramStore
     if config.fingerprint != fingerprint or config.vocab_size != vocab_size:
         raise CausalDraftError(
             f"the n-gram store in {directory} holds another model's answers (fingerprint {config.fingerprint}, "
-            f"this model {fingerprint}); build one with causaldraft build-store"
+            f"this model {fingerprint}); build one with causaldraft build-store ({OLD_FINGERPRINTS})"
         )
     try:
         tensors = load_file(str(directory / STORE_FILE))

@@ -53,9 +53,7 @@ class Backend(Protocol):
 
     buckets: tuple[int, ...]
     quantized: bool
-
-    @property
-    def shape(self) -> ModelShape: ...
+    shape: ModelShape  # max_positions may be capped below the config's (loading.capped_to_window)
 
     @property
     def dtype(self) -> torch.dtype: ...

@@ -21,7 +21,9 @@ class HFCache:
     """A transformers DynamicCache with the KVCache operations (commit, rollback)."""
 
     def __init__(self, model: PreTrainedModel, max_len: int) -> None:
-        self.inner = DynamicCache(config=model.config)
+        # full-attention layers even for a model with a sliding window: commit and rollback index every
+        # entry, and the context is capped at the window (loading.capped_to_window)
+        self.inner = DynamicCache()
         self.max_len = max_len
         self.length = 0
 

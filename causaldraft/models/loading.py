@@ -17,19 +17,22 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from causaldraft.config import DTYPES
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
-from causaldraft.models.native import NativeLlama
+from causaldraft.models.identity import checkpoint_fingerprint, load_fingerprint
+from causaldraft.models.native import LlamaShape, NativeLlama, checkpoint_files
 from causaldraft.models.packed import use_packed_head
 from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import use_block_linears
@@ -204,18 +207,10 @@ class LoadedModel:
     backend: Backend
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
-    fingerprint: str
+    fingerprint: str  # this load: the checkpoint and the dtype (identity.load_fingerprint)
     dtype: str  # what was loaded: float32, bfloat16, int8 or int4 (``auto`` resolved)
+    base_fingerprint: str  # the checkpoint, whatever the dtype: what trained drafters and stores are paired with
     prefill: Backend | None = None  # reads prompts where that is faster (quantized: packed.prefill_model)
-
-
-def model_fingerprint(backend: Backend) -> str:
-    """A short hash of the model's shape and token embeddings, to pair trained heads with it."""
-    weights = backend.embed(torch.arange(min(256, backend.shape.vocab_size))).float()
-    digest = hashlib.sha256()
-    digest.update(repr(backend.shape).encode())
-    digest.update((weights * 1000).round().to(torch.int32).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def resolve_dtype(model_dir: Path, dtype: str, backend: str = "native") -> str:
@@ -261,14 +256,75 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
         raise CausalDraftError(
             f"the weights in {model_dir} do not fit its config.json ({len(mismatches)} tensors), e.g. {mismatches[0]}"
         ) from error
-    return LoadedModel(loaded, tokenizer, model_dir, model_fingerprint(loaded), dtype, prefill)
+    gguf_sha256 = read_source_record(model_dir).get("sha256")
+    base = checkpoint_fingerprint(model_dir, gguf_sha256 if isinstance(gguf_sha256, str) else None)
+    return LoadedModel(loaded, tokenizer, model_dir, load_fingerprint(base, dtype), dtype, base, prefill)
+
+
+# Checkpoint tensors the native backend reads (before ``native.fuse_projections``); q/k/v biases only where
+# the config has them (``LlamaShape.qkv_bias``). ``rotary_emb.inv_freq`` is a buffer old checkpoints saved.
+NATIVE_TENSORS = re.compile(
+    r"(model\.)?(embed_tokens\.weight|norm\.weight|layers\.\d+\.(input_layernorm\.weight"
+    r"|post_attention_layernorm\.weight|self_attn\.[qkvo]_proj\.weight|self_attn\.[qkv]_proj\.bias"
+    r"|self_attn\.rotary_emb\.inv_freq|mlp\.(gate|up|down)_proj\.weight))|lm_head\.weight"
+)
+
+
+def unused_by_native(model_dir: Path, shape: LlamaShape) -> list[str]:
+    """The checkpoint's tensors the native backend would not read, e.g. ``o_proj.bias`` of a Llama with
+    ``attention_bias`` or the MLP biases of one with ``mlp_bias``: dropping them would change every output."""
+    unused = []
+    for file in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names = list(handle.keys())
+        except Exception as error:  # safetensors raises several types for corrupt files
+            raise CausalDraftError(f"corrupt weights file {file}: {error}") from error
+        for name in names:
+            if not NATIVE_TENSORS.fullmatch(name) or (name.endswith("_proj.bias") and not shape.qkv_bias):
+                unused.append(name)
+    return sorted(unused)
+
+
+def attention_window(config: PretrainedConfig) -> int | None:
+    """The sliding attention window, where the model has one: positions further back are not attended
+    to. Mistral's ``sliding_window`` applies to every layer; models with ``layer_types`` (Qwen2, Gemma) use
+    it on their ``sliding_attention`` layers only (Qwen2's ``use_sliding_window`` false: none)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def capped_to_window(loaded: Backend, config: PretrainedConfig) -> None:
+    """Both backends attend to the whole context, so a model with a sliding window computes what it
+    was trained to only while the context fits in that window: its context is capped there (a longer
+    prompt is refused as too long) rather than decoding something other than the model."""
+    window = attention_window(config)
+    if window is not None and window < loaded.shape.max_positions:
+        loaded.shape = replace(loaded.shape, max_positions=window)
+
+
+def read_config(model_dir: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError) as error:  # an unknown or malformed model_type
+        raise CausalDraftError(f"transformers cannot read {model_dir / 'config.json'}: {error}") from error
 
 
 def load_backend(model_dir: Path, backend: str, dtype: str) -> tuple[Backend, Backend | None]:
     """The target's backend in ``dtype`` (resolved), and the one that reads its prompts, if another."""
     loaded: Backend
     prefill: Backend | None = None
+    config = read_config(model_dir)
     if backend == "native":
+        unused = unused_by_native(model_dir, LlamaShape.from_config(config))
+        if unused:
+            raise CausalDraftError(
+                f"the native backend does not read {len(unused)} tensors of {model_dir} (e.g. {unused[0]}): "
+                f"this {config.model_type} variant is not supported natively; use --backend hf"
+            )
         if dtype in ("int8", "int4"):
             from causaldraft.models.quant_load import load_quantized
 
@@ -289,4 +345,7 @@ def load_backend(model_dir: Path, backend: str, dtype: str) -> tuple[Backend, Ba
         loaded = HFBackend.from_pretrained(model_dir, TORCH_DTYPES[dtype])
     else:
         raise CausalDraftError(f"backend must be native or hf, got {backend!r}")
+    for each in (loaded, prefill):
+        if each is not None:
+            capped_to_window(each, config)
     return loaded, prefill

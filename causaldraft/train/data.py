@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,12 +143,20 @@ def order_suffix(seed: int) -> str:
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """Chat-template each prompt (as the engine does); drop those longer than ``max_tokens``."""
+    """Chat-template each prompt (as the engine does with ``chat``); drop those longer than ``max_tokens``.
+    A tokenizer without a chat template (a base model) reads each prompt as plain text, as the engine reads
+    a prompt without ``chat``: the drafter learns the continuations that model is asked for."""
+    templated = bool(tokenizer.chat_template)
+    if not templated:
+        print("causaldraft: this model's tokenizer has no chat template: the prompts are read as plain text",
+              file=sys.stderr)  # fmt: skip
     encoded = []
     for prompt in prompts:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        text = prompt
+        if templated:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         if len(ids) <= max_tokens:
             encoded.append(ids)

@@ -25,7 +25,6 @@ from causaldraft.drafters.eagle3_model import (
     save_layer,
     widen_vocabulary,
 )
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import LoadedModel, load_model
@@ -43,6 +42,7 @@ from causaldraft.train.eagle3_train import (
     train_layer,
 )
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
+from causaldraft.train.trainer import run_digest
 
 DEFAULT_DRAFT_VOCAB = 8192
 
@@ -88,7 +88,7 @@ def eagle3_config(loaded: LoadedModel, draft_vocab: int, aux_layers: tuple[int, 
         intermediate_size=s.intermediate_size, rms_eps=s.rms_eps, vocab_size=s.vocab_size,
         draft_vocab=min(draft_vocab, s.vocab_size), aux_layers=aux_layers or default_aux_layers(s.num_layers),
         target_layers=s.num_layers, rope_theta=rope_theta(loaded.model_dir), max_positions=s.max_positions,
-        fingerprint=base_fingerprint(backend),
+        fingerprint=loaded.base_fingerprint,
     )  # fmt: skip
 
 
@@ -110,6 +110,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
     assert isinstance(backend, NativeLlama)
+    rope_theta(loaded.model_dir)  # a rope the layer cannot take is refused before any data is made
     use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     shape = backend.shape
@@ -132,7 +133,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
             f"{recipe.eval_every} are needed (more prompts or a larger --tokens)"
         )
     if recipe.init is not None:
-        layer = load_layer(recipe.init, base_fingerprint(backend), shape.vocab_size, shape.hidden_size)
+        layer = load_layer(recipe.init, loaded.base_fingerprint, shape.vocab_size, shape.hidden_size)
         layer.requires_grad_(True)
         if layer.config.aux_layers != aux_layers:
             raise CausalDraftError(
@@ -157,7 +158,8 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     t = recipe.training
     checkpoint = work / (
         f"ckpt-eagle3-v{config.draft_vocab}-s{t.seed}-e{t.epochs}-r{t.rows_per_batch}-t{t.steps}"
-        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}{order}.pt"
+        f"-c{t.context}-lr{t.lr}{init_tag(recipe.init)}{order}"
+        f"-d{run_digest(t, layer.vocab_ids, torch.cat([sequence.tokens for sequence in train_set]))}.pt"
     )
     started = time.perf_counter()
     history = train_layer(layer, train_set, embed, t, checkpoint)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, base_fingerprint, new_heads, save_heads
+from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, new_heads, save_heads
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
@@ -21,7 +21,7 @@ from causaldraft.paths import causaldraft_home
 from causaldraft.train.data import GenerationConfig, generate_data, order_suffix
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.features import compute_features, draft_vocabulary, split_features
-from causaldraft.train.trainer import TrainConfig, train
+from causaldraft.train.trainer import TrainConfig, run_digest, train
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     started = time.perf_counter()
     suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
     generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation,
-                              base_fingerprint(loaded.backend))  # fmt: skip
+                              loaded.base_fingerprint)  # fmt: skip
     timings["generate_s"] = time.perf_counter() - started
     torch.set_num_threads(recipe.generation.threads)
     use_batch_products(loaded.backend)  # the hidden pass reads whole sequences at a time
@@ -68,13 +68,14 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     vocab_size = backend.shape.vocab_size
     vocab_ids = draft_vocabulary(train_set, vocab_size, recipe.draft_vocab)
     config = HeadsConfig(recipe.kind, recipe.num_heads, backend.shape.hidden_size, vocab_size,
-                         int(vocab_ids.numel()), base_fingerprint(backend))  # fmt: skip
+                         int(vocab_ids.numel()), loaded.base_fingerprint)  # fmt: skip
     heads = new_heads(config, vocab_ids, backend.lm_head_weight(), recipe.training.seed)
     with torch.inference_mode():
         embed = backend.embed(torch.arange(vocab_size)).float()  # [vocab, hidden]
+    digest = run_digest((config, recipe.training), vocab_ids, train_set.tokens)
     checkpoint = work / (
         f"ckpt-{recipe.kind}-h{recipe.num_heads}-v{config.draft_vocab}-s{recipe.training.seed}"
-        f"-n{recipe.training.steps}-b{recipe.training.batch_size}.pt"
+        f"-n{recipe.training.steps}-b{recipe.training.batch_size}-d{digest}.pt"
     )
     started = time.perf_counter()
     history = train(heads, train_set, embed, recipe.training, checkpoint)

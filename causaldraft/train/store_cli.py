@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from causaldraft.drafters.heads import base_fingerprint
 from causaldraft.drafters.store import StoreConfig, save_store
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "data_meta": meta,
         "generation_seconds": round(generated[1], 1) if generated else None,
     }
-    config_out = StoreConfig(base_fingerprint(backend), backend.shape.vocab_size, sum(map(len, responses)),
+    config_out = StoreConfig(loaded.base_fingerprint, backend.shape.vocab_size, sum(map(len, responses)),
                              len(responses), record=record)  # fmt: skip
     store = save_store(args.out, responses, config_out)
     summary = {"out": str(args.out), "tokens": config_out.tokens, "sequences": config_out.sequences,

@@ -11,6 +11,7 @@ row 2's (for e); head 2 would need row 3's distribution of a token after e: out 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -22,6 +23,17 @@ from tqdm import tqdm
 from causaldraft.drafters.heads import DraftHeads
 from causaldraft.errors import CausalDraftError
 from causaldraft.train.features import Features
+
+
+def run_digest(settings: object, vocab_ids: torch.Tensor, tokens: torch.Tensor) -> str:
+    """What a training checkpoint's name must carry besides its readable settings, so that a resumed run
+    only ever picks up a run of the same training: the settings' repr (learning rate and all), the draft
+    vocabulary and the training data's tokens. Without it a rerun on more data or at another learning
+    rate reloaded the finished checkpoint and reported the new data as trained on."""
+    digest = hashlib.sha256(repr(settings).encode())
+    digest.update(vocab_ids.to(torch.int64).numpy().tobytes())
+    digest.update(tokens.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:10]
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,21 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from causaldraft.drafters import heads
+    from causaldraft.drafters.eagle3_model import read_config
     from causaldraft.export import export_eagle3
     from causaldraft.models.loading import load_model
 
+    directory = Path(args.directory)
+    if (directory / heads.CONFIG_FILE).is_file():
+        raise CausalDraftError(f"{directory} holds markov/medusa heads: export-heads writes eagle3 layers (what vLLM "
+                               "serves); train one with causaldraft train-heads --heads eagle3")  # fmt: skip
+    config, _ = read_config(directory)  # before the target loads (the default model converts on first use)
     target = load_model(args.model, "native", "bfloat16")
-    out = export_eagle3(Path(args.directory), target, Path(args.out), args.verifier)
+    if config.fingerprint != target.base_fingerprint and args.model == "default":
+        raise CausalDraftError(f"the eagle3 layer in {directory} was not trained for the default model: pass the "
+                               "target it was trained for with --model PATH")  # fmt: skip
+    out = export_eagle3(directory, target, Path(args.out), args.verifier)
     print(json.dumps({"exported": str(out), "format": args.format}))
     return 0
 

@@ -114,7 +114,8 @@ def export_eagle3(directory: Path, target: LoadedModel, out: Path, verifier: str
     out.mkdir(parents=True, exist_ok=True)
     embed = target.backend.embed(torch.arange(shape.vocab_size)).detach()
     save_file(speculators_weights(layer, embed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    record = speculators_config(layer, verifier or str(target.model_dir), source.get("architectures") or [])
+    verifier = verifier or str(target.model_dir.resolve())  # vLLM may start from another directory
+    record = speculators_config(layer, verifier, source.get("architectures") or [])
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
 

@@ -40,7 +40,7 @@ def test_export_layout_and_vocabulary_maps(tiny_bf16: LoadedModel, tmp_path: Pat
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
-    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_bf16.model_dir)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_bf16.model_dir.resolve())
     weights = load_file(str(out / "model.safetensors"))
     layer = load_layer(directory, tiny_bf16.base_fingerprint, 259, 64)
     assert torch.equal(torch.arange(200) + weights["d2t"], layer.vocab_ids)
@@ -48,6 +48,31 @@ def test_export_layout_and_vocabulary_maps(tiny_bf16: LoadedModel, tmp_path: Pat
     q, k, v = (weights[f"layers.0.self_attn.{name}_proj.weight"] for name in "qkv")
     assert torch.equal(torch.cat([q, k, v]).float(), layer.qkv_proj.weight.to(torch.bfloat16).float())
     assert q.shape == (64, 128) and k.shape == (32, 128)  # 2 x hidden inputs: [embedding, hidden]
+
+
+def test_export_heads_cli_names_the_verifier_absolutely_and_refuses_what_it_cannot_export(
+    tiny_bf16: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A relative --model becomes an absolute verifier path (vLLM may start elsewhere); markov heads are
+    refused as what they are; a layer of another model without --model is told to pass --model."""
+    from causaldraft.cli import main
+    from tests.test_heads import random_heads_dir
+
+    directory, _ = exported(tiny_bf16, tmp_path)
+    monkeypatch.chdir(tiny_bf16.model_dir.parent)
+    relative = tiny_bf16.model_dir.name
+    assert main(["export-heads", str(directory), "--format", "eagle3", "--out", str(tmp_path / "cli"),
+                 "--model", relative]) == 0  # fmt: skip
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_bf16.model_dir.resolve())
+    heads = random_heads_dir(tiny_bf16, "markov", tmp_path / "markov")
+    assert main(["export-heads", str(heads), "--format", "eagle3", "--out", str(tmp_path / "x")]) == 2
+    assert "holds markov/medusa heads: export-heads writes eagle3 layers" in capsys.readouterr().err
+    assert main(["export-heads", str(directory), "--format", "eagle3", "--out", str(tmp_path / "x")]) == 2
+    assert "not trained for the default model: pass the target it was trained for with --model" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "x").exists()
 
 
 def test_speculators_model_class_gives_the_same_draft_logits(tiny_bf16: LoadedModel, tmp_path: Path) -> None:

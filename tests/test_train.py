@@ -204,3 +204,27 @@ def test_an_out_or_work_path_that_is_a_file_is_refused_first(
                      *(item for pair in paths.items() for item in pair)])  # fmt: skip
         assert code == 2 and f"{flag} {afile} is a file" in capsys.readouterr().err
         assert not (tmp_path / "work").exists()
+
+
+def test_flags_of_the_other_drafter_kind_are_refused_and_explicit_values_are_kept(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--steps given to eagle3 or --epochs to markov heads was silently unused; an explicit --lr 0.002,
+    --gen-batch-size 32 or --threads 1 for eagle3 was replaced by its defaults because it equalled the heads'."""
+    from causaldraft.train import cli as train_cli
+
+    base = ["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(write_prompts(tmp_path)),
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    for kind, extra, named in (("eagle3", ["--steps", "5", "--num-heads", "2"], "--num-heads, --steps apply to "
+                               "--heads markov/medusa only"), ("markov", ["--epochs", "1"], "--epochs apply to "
+                               "--heads eagle3 only")):  # fmt: skip
+        assert main([*base, "--heads", kind, *extra]) == 2
+        assert named in capsys.readouterr().err
+    recipes: list[object] = []
+    monkeypatch.setattr(train_cli, "run_eagle3_recipe", lambda recipe: recipes.append(recipe) or {})
+    explicit = ["--lr", "0.002", "--gen-batch-size", "32", "--threads", "1"]
+    assert main([*base, "--heads", "eagle3", *explicit]) == 0
+    assert main([*base, "--heads", "eagle3"]) == 0
+    chosen, default = recipes
+    assert (chosen.training.lr, chosen.generation.batch_size, chosen.generation.threads) == (0.002, 32, 1)  # type: ignore[attr-defined]
+    assert default.training.lr == 1e-3 and default.generation.batch_size == 48  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ import torch
 from causaldraft.adapt import BudgetPolicy, VerifyCost
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
-from causaldraft.errors import CausalDraftError
+from causaldraft.errors import CausalDraftError, ContextOverflow
 from causaldraft.models.base import Backend, Cache, ForwardOutput
 from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
@@ -124,7 +124,7 @@ class PromptRead:
             raise CausalDraftError("the prompt is empty")
         limit = decoder.target.shape.max_positions
         if len(prompt) + max_new_tokens > limit:
-            raise CausalDraftError(
+            raise ContextOverflow(
                 f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
                 f"context of {limit} tokens"
             )

@@ -3,3 +3,7 @@
 
 class CausalDraftError(Exception):
     """A clear, user-facing error (bad input, missing file, unsupported model)."""
+
+
+class ContextOverflow(CausalDraftError):
+    """A prompt that, with the tokens asked for, does not fit in the model's context."""

@@ -11,6 +11,7 @@ import torch
 
 from causaldraft.adapt import BudgetPolicy
 from causaldraft.decode import draft_step, prefill
+from causaldraft.errors import CausalDraftError
 from causaldraft.tree import Tree, compile_tree
 
 
@@ -58,6 +59,9 @@ def show_tree(args: argparse.Namespace) -> None:
     from causaldraft.config import SamplingConfig
     from causaldraft.flags import engine_config
 
+    png = Path(args.png) if args.png else None
+    if png is not None and not png.parent.is_dir():  # checked before the model loads
+        raise CausalDraftError(f"--png {png}: the folder {png.parent} does not exist")
     engine = load(engine_config(args))
     prompt_ids = engine.encode(args.prompt, chat=args.chat)
     state = prefill(engine.decoder, prompt_ids, 1, None)
@@ -72,7 +76,7 @@ def show_tree(args: argparse.Namespace) -> None:
     print("\nattention mask over the tree (every row also sees all P prefix columns):")
     print(render_mask(compiled.mask))
     print("\nroot-to-leaf paths:", [list(path) for path in compiled.paths])
-    if args.png:
+    if png is not None:
         labels = [ascii(decode([token]))[1:-1] for token in draft.tree.tokens]
-        save_mask_png(compiled.mask, labels, Path(args.png))
+        save_mask_png(compiled.mask, labels, png)
         print(f"saved {args.png}")

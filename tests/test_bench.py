@@ -196,6 +196,9 @@ def test_parse_method() -> None:
         with pytest.raises(CausalDraftError):
             parse_method(bad)
     assert parse_methods("ar, lookup,,ar") == ["ar", "lookup"]
+    assert parse_methods("lookup,lookup:dynamic,ar,auto:chain") == ["lookup", "ar", "auto:chain"]  # same method once
+    with pytest.raises(CausalDraftError, match="unknown method 'foo'"):
+        parse_methods("ar,foo")
     assert cut_at_eos([5, 2, 7], 2) == (5, 2) and cut_at_eos([5, 7], 2) == (5, 7)
 
 
@@ -217,6 +220,83 @@ def test_read_questions(tmp_path: Path) -> None:
     bad.write_text('{"question_id": 1, "turns": []}\n')
     with pytest.raises(CausalDraftError, match="bad.jsonl:1"):
         read_questions(bad)
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text('{"question_id": 7, "turns": ["a"]}\n{"question_id": 7, "turns": ["b"]}\n')
+    with pytest.raises(CausalDraftError, match="twice.jsonl:2: question_id '7' is also on line 1"):
+        read_questions(twice)  # answers are matched across methods by question_id: it once gave ar 0.5 vs itself
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"question_id": 1, "turns": ["caf\xe9"]}\n')
+    with pytest.raises(CausalDraftError, match="is not UTF-8"):
+        read_questions(latin)
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + prompts.read_bytes())
+    assert [q.question_id for q in read_questions(marked)] == ["81", "111"]
+    with pytest.raises(CausalDraftError, match="is a directory"):
+        read_questions(tmp_path)
+
+
+def test_a_question_outgrowing_the_context_is_left_out_for_every_method_and_the_rest_kept(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The tiny model's context is 512 tokens: a 600-byte question cannot be answered by any method. It
+    is left out for all of them, and the other question's results stay (they were all dropped before)."""
+    prompts = tmp_path / "long.jsonl"
+    questions = [{"question_id": 1, "category": "a", "turns": ["abc abc abc"]},
+                 {"question_id": 2, "category": "b", "turns": ["x" * 600]}]  # fmt: skip
+    prompts.write_text("".join(json.dumps(question) + "\n" for question in questions))
+    engine = EngineConfig(model=str(tiny_llama_dir), dtype="float32", compile=False)
+    run = run_bench(BenchConfig(prompts=str(prompts), methods=("ar", "lookup"), max_new_tokens=8, engine=engine,
+                                warmup=0), progress=False)  # fmt: skip
+    assert not run.errors and list(run.skipped) == ["2"] and "context of 512 tokens" in run.skipped["2"]
+    assert {(record.method, record.question_id) for record in run.records} == {("ar", "1"), ("lookup", "1")}
+    results = write_outputs(run, tmp_path / "out")
+    assert results["methods"]["lookup"]["exact_match_vs_ar"] == 1.0
+    assert "Left out for every method" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_ctrl_c_keeps_the_questions_every_method_finished(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in the second question: the first question's results are written, the report says so, and
+    the command exits 130 with a line saying what was kept (it once wrote nothing at all)."""
+    from causaldraft.bench import harness
+
+    answered = harness.answer_turns
+    calls = []
+
+    def interrupted_in_the_second_question(*args: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:  # ar and lookup finished question 1; ar is answering question 2
+            raise KeyboardInterrupt
+        return answered(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(harness, "answer_turns", interrupted_in_the_second_question)
+    out = tmp_path / "out"
+    code = main(["bench", "--model", str(tiny_llama_dir), "--dtype", "float32", "--no-compile", "--prompts",
+                 str(write_prompts(tmp_path / "q.jsonl")), "--methods", "ar,lookup", "--max-new-tokens", "8",
+                 "--warmup", "0", "--no-progress", "--out", str(out)])  # fmt: skip
+    assert code == 130 and "interrupted" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["interrupted"] and results["methods"]["lookup"]["exact_match_vs_ar"] == 1.0
+    assert {json.loads(line)["question"] for line in (out / "outputs.jsonl").read_text().splitlines()} == {"81"}
+    assert "Interrupted (Ctrl-C)" in (out / "report.md").read_text()
+    command = results["config"]["command"]
+    assert "--seed 0" in command and "--warmup 0" in command and str((tmp_path / "q.jsonl").resolve()) in command
+
+
+def test_an_out_that_is_a_file_or_a_bad_method_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = write_prompts(tmp_path / "questions.jsonl")
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    missing_model = str(tmp_path / "no-model")  # a load would fail otherwise: these checks come first
+    assert main(["bench", "--model", missing_model, "--prompts", str(prompts), "--methods", "ar",
+                 "--out", str(afile)]) == 2  # fmt: skip
+    assert f"--out {afile} is a file" in capsys.readouterr().err
+    assert main(["bench", "--model", missing_model, "--prompts", str(prompts), "--methods", "ar,lookup:bogus",
+                 "--out", str(tmp_path / "out")]) == 2  # fmt: skip
+    assert "method 'lookup:bogus': tree kind" in capsys.readouterr().err
 
 
 def crashing_llamacpp(connection: object, gguf: str, seed: int) -> None:

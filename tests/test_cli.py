@@ -50,6 +50,9 @@ def test_show_tree_prints_tree_mask_and_png(
     out = capsys.readouterr().out
     assert "attention mask" in out and "[0]" in out and "paths" in out
     assert png.stat().st_size > 1000
+    nowhere = tmp_path / "no-folder" / "mask.png"
+    assert main(["show-tree", "--prompt", "hi", "--model", str(tmp_path / "no-model"), "--png", str(nowhere)]) == 2
+    assert f"the folder {nowhere.parent} does not exist" in capsys.readouterr().err  # before the model loads
 
 
 @pytest.mark.parametrize(

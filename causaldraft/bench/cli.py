@@ -17,7 +17,9 @@ DEFAULT_OUT = "bench-out"
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = commands.add_parser("bench", help="compare methods on a Spec-Bench / MT-bench prompt file")
     bench.add_argument("--prompts", required=True, help="jsonl with question_id, category, turns")
-    methods = "comma-separated: hf, hf-lookup, ar, llamacpp, lookup|draft|medusa|markov|eagle3[:chain|static|dynamic]"
+    methods = (
+        "comma-separated: hf, hf-lookup, ar, llamacpp, auto|lookup|draft|medusa|markov|eagle3[:chain|static|dynamic]"
+    )
     bench.add_argument("--methods", required=True, help=methods)
     add_model_flags(bench)
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -55,9 +57,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     from causaldraft.bench.harness import run_bench
-    from causaldraft.bench.report import write_outputs
+    from causaldraft.bench.report import prepare_out, write_outputs
 
     config = config_from_args(args)
+    prepare_out(args.out)
     if args.threads is not None:
         if args.threads < 1:
             raise CausalDraftError(f"--threads must be >= 1, got {args.threads}")
@@ -75,5 +78,10 @@ def run(args: argparse.Namespace) -> int:
             shown = {key: entry[key] for key in ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar",
                                                  "exact_match_vs_ar")}  # fmt: skip
             print(f"{name}: {json.dumps(shown)}")
-    print(f"wrote {args.out}/results.json, steps.jsonl, report.md and plots")
+    for question, why in bench_run.skipped.items():
+        print(f"question {question} left out for every method: {why}", file=sys.stderr)
+    print(f"wrote {args.out}/results.json, outputs.jsonl, steps.jsonl, report.md and plots")
+    if bench_run.interrupted:
+        print("causaldraft: interrupted: the results hold the questions every method had finished", file=sys.stderr)
+        return 130
     return 0 if len(bench_run.errors) < len(config.methods) else 1

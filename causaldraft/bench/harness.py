@@ -23,7 +23,7 @@ from causaldraft.bench.methods import (
 )
 from causaldraft.bench.prompts import Question, read_questions
 from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
-from causaldraft.errors import CausalDraftError
+from causaldraft.errors import CausalDraftError, ContextOverflow
 from causaldraft.models.loading import LoadedModel, load_model
 
 WARMUP_TOKENS = 32
@@ -78,6 +78,10 @@ class BenchRun:
     profile: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
     model_dir: str = ""
     fingerprint: str = ""
+    # Ctrl-C during the runs: the records hold the (repeat, question)s every method finished
+    interrupted: bool = False
+    # questions left out for every method: a turn's prompt did not fit in the context (question id -> why)
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def answer_turns(method: Method, encoder: object, tokenizer: object, question: Question,
@@ -130,23 +134,45 @@ def warm_up(config: BenchConfig, methods: dict[str, Method], encoder: object, qu
                 break
 
 
+class Interrupted(Exception):
+    """Ctrl-C during the runs; ``records`` holds the (repeat, question)s every method finished."""
+
+    def __init__(self, records: list[TurnRecord]) -> None:
+        super().__init__("interrupted")
+        self.records = records
+
+
 def run_questions(config: BenchConfig, methods: dict[str, Method], encoder: object, tokenizer: object,
-                  questions: list[Question], repeats: int, errors: dict[str, str],
-                  progress: bool) -> list[TurnRecord]:  # fmt: skip
-    """Every question x method x repeat; a method that raises is dropped with its records."""
+                  questions: list[Question], repeats: int, errors: dict[str, str], progress: bool,
+                  skipped: dict[str, str] | None = None) -> list[TurnRecord]:  # fmt: skip
+    """Every question x method x repeat; a method that raises is dropped with its records, but a question
+    whose prompt outgrows the context is left out for every method (in ``skipped``). On Ctrl-C,
+    ``Interrupted`` carries the records of the questions every method finished."""
+    skipped = {} if skipped is None else skipped
     records: list[TurnRecord] = []
     total = repeats * len(questions) * len(methods)
     with tqdm(total=total, desc="bench", unit="run", disable=not progress) as bar:
         for repeat in range(repeats):
             for index, question in enumerate(questions):
                 settings = turn_settings(config, index, repeat)
+                finished = len(records)
                 for name, method in list(methods.items()):
+                    if question.question_id in skipped:
+                        bar.update(1)
+                        continue
                     bar.set_postfix_str(f"{name} q{question.question_id}")
                     try:
                         outputs = answer_turns(method, encoder, tokenizer, question, settings)
+                    except KeyboardInterrupt:
+                        raise Interrupted(records[:finished]) from None
+                    except ContextOverflow as error:  # the question, not the method: left out for all
+                        skipped[question.question_id] = f"{name}: {error}"
+                        records = records[:finished]
+                        continue
                     except Exception as error:  # a method may fail in any way; the bench records it and goes on
                         errors[name] = describe(error)
                         del methods[name]
+                        finished = len([record for record in records[:finished] if record.method != name])
                         records = [record for record in records if record.method != name]
                         continue
                     finally:
@@ -205,7 +231,13 @@ def run_bench(config: BenchConfig, progress: bool = True, loaded: LoadedModel | 
     factory = MethodFactory(target, config.engine, config.seed)
     methods = build_methods(config, factory, run.errors)
     warm_up(config, methods, encoder, questions[0], run.errors)
-    run.records = run_questions(config, methods, encoder, tokenizer, questions, config.repeats, run.errors, progress)
+    try:
+        run.records = run_questions(
+            config, methods, encoder, tokenizer, questions, config.repeats, run.errors, progress, run.skipped
+        )
+    except Interrupted as stop:
+        run.records, run.interrupted = stop.records, True
+        return run
     if config.profile:
         run.profile = sweep_budgets(config, factory, encoder, tokenizer, questions, progress)
     return run

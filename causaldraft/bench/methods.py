@@ -62,11 +62,16 @@ def parse_method(name: str) -> MethodSpec:
 
 
 def parse_methods(text: str) -> list[str]:
-    """Split a comma-separated list, dropping empty entries and repeats (order kept)."""
+    """Split a comma-separated list, dropping empty entries; every name is checked here, before the model
+    loads, and a name meaning what an earlier one means (``lookup`` and ``lookup:dynamic``) is dropped."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise CausalDraftError("--methods needs at least one method")
-    return list(dict.fromkeys(names))
+    kept: dict[tuple[str, str, str], str] = {}
+    for name in names:
+        spec = parse_method(name)
+        kept.setdefault((spec.kind, spec.drafter, spec.tree), name)
+    return list(kept.values())
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,30 @@ def parse_question(line: str, where: str) -> Question:
 def read_questions(path: str | Path, limit: int | None = None, categories: list[str] | None = None) -> list[Question]:
     """Read a prompt file, keep the given categories (all if None), then the first ``limit`` questions."""
     file = Path(path)
+    if file.is_dir():
+        raise CausalDraftError(f"prompt file {file} is a directory")
     if not file.is_file():
         raise CausalDraftError(f"prompt file {file} does not exist")
     if limit is not None and limit < 1:
         raise CausalDraftError(f"--limit must be >= 1, got {limit}")
+    try:
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark some editors write is skipped
+    except UnicodeDecodeError as error:
+        raise CausalDraftError(
+            f"prompt file {file} is not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from error
     questions = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    lines: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
-            questions.append(parse_question(line, f"{file}:{number}"))
+            question = parse_question(line, f"{file}:{number}")
+            if question.question_id in lines:
+                raise CausalDraftError(
+                    f"{file}:{number}: question_id {question.question_id!r} is also on line "
+                    f"{lines[question.question_id]} (answers are compared across methods by question_id)"
+                )
+            lines[question.question_id] = number
+            questions.append(question)
     if categories:
         known = {question.category for question in questions}
         unknown = [name for name in categories if name not in known]

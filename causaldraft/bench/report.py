@@ -16,6 +16,7 @@ import torch
 from causaldraft.bench.harness import BenchConfig, BenchRun
 from causaldraft.bench.metrics import summarize
 from causaldraft.bench.plots import plot_acceptance_by_depth, plot_accepted_lengths, plot_budgets, plot_speedups
+from causaldraft.errors import CausalDraftError
 
 LIBRARIES = ("causaldraft", "torch", "transformers", "tokenizers", "numpy", "matplotlib", "llama-cpp-python")
 COLUMNS = ("tokens_per_s", "mean_accepted", "speedup_vs_hf", "speedup_vs_ar", "exact_match_vs_ar",
@@ -26,7 +27,8 @@ EXACTNESS = (
     "Every lossless causaldraft method should show exact match 1.0 in every dtype but float32: the native "
     "backend's passes are row-invariant in bfloat16, int8 and int4 (each row of a verify pass is computed bit for "
     "bit as a one-row pass at its position, docs/exactness.md), so speculative output is plain decoding's token "
-    "for token. Below 1.0 means a defect, except for `hf` and `llamacpp` (other implementations, other rounding), "
+    "for token. Below 1.0 means a defect, except for `hf`, `hf-lookup` and `llamacpp` (other implementations, "
+    "other rounding; in an int8 or int4 run the hf baselines run bfloat16 weights), "
     "the naive acceptance rule (lossy by design), `--backend hf` and float32 (whose matrix kernels round "
     "differently per row count: equal up to rounding, not bit for bit)."
 )
@@ -34,9 +36,11 @@ EXACTNESS = (
 
 def command_line(config: BenchConfig) -> str:
     """The causaldraft bench invocation that reproduces this configuration."""
-    parts = ["causaldraft", "bench", "--prompts", config.prompts, "--methods", ",".join(config.methods)]
+    prompts = str(Path(config.prompts).resolve())
+    parts = ["causaldraft", "bench", "--prompts", prompts, "--methods", ",".join(config.methods)]
     parts += config.engine.flags()
     parts += ["--temperature", f"{config.temperature:g}", "--max-new-tokens", str(config.max_new_tokens)]
+    parts += ["--seed", str(config.seed), "--warmup", str(config.warmup)]
     if config.limit:
         parts += ["--limit", str(config.limit)]
     if config.categories:
@@ -77,8 +81,12 @@ def library_versions() -> dict[str, str]:
 
 def config_record(run: BenchRun) -> dict[str, object]:
     config = dataclasses.asdict(run.config)
-    for name in ("model", "backend", "dtype", "compile"):  # the target's settings, at the top as before
+    for name in ("model", "backend", "dtype"):  # the target's settings, at the top as before
         config[name] = getattr(run.config.engine, name)
+    config["compile"] = run.config.engine.compiled
+    config["hf_dtype"] = run.config.engine.dtype if run.config.engine.dtype in ("float32", "bfloat16") else "bfloat16"
+    config["interrupted"] = run.interrupted
+    config["skipped_questions"] = run.skipped
     config["command"] = command_line(run.config)
     config["questions"] = len(run.questions)
     config["model_dir"] = run.model_dir
@@ -149,7 +157,15 @@ def render_report(results: dict[str, object], plots: list[str], sweep: dict[str,
              f"{config['dtype']}, backend {config['backend']}. tokens/s = new tokens / wall time (prefill "
              "included); mean accepted = new tokens per target forward; exact match = share of turns whose "
              "tokens equal `ar`'s (greedy, or seeded Gumbel sampling: the same seed per turn for every method).",
-             "", EXACTNESS, "", "## All categories", ""]  # fmt: skip
+             "", EXACTNESS, ""]  # fmt: skip
+    if config["interrupted"]:
+        lines += ["**Interrupted (Ctrl-C)**: only the questions every method had finished are reported.", ""]
+    skipped = config["skipped_questions"]
+    assert isinstance(skipped, dict)
+    if skipped:
+        lines += [f"**Left out for every method** ({len(skipped)} questions: a prompt outgrew the context):", ""]
+        lines += [f"- question {question}: {why}" for question, why in skipped.items()] + [""]
+    lines += ["## All categories", ""]
     lines += table(ok, "method")
     if any(len(entry["by_turn"]) > 1 for _, entry in ok):
         lines += ["", "## By turn", "", "Turn 2 and later answers have the conversation so far in their prompt "
@@ -179,10 +195,21 @@ def render_report(results: dict[str, object], plots: list[str], sweep: dict[str,
     return "\n".join(lines)
 
 
+def prepare_out(out_dir: str | Path) -> Path:
+    """The output folder, made if missing; checked before the model loads so that no run is lost to it."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CausalDraftError(f"--out {out} is a file; give a directory (made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CausalDraftError(f"cannot make the output directory {out}: {error}") from error
+    return out
+
+
 def write_outputs(run: BenchRun, out_dir: str | Path) -> dict[str, object]:
     """Write every artefact of a run into ``out_dir``; returns the results.json payload."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out(out_dir)
     # greedy and Gumbel-sampled outputs are functions of the model (and the seed) alone: comparable to ar's
     comparable = run.config.temperature == 0 or run.config.engine.sampler == "gumbel"
     summary = summarize(list(run.config.methods), run.records, run.errors, comparable)

@@ -81,12 +81,12 @@ def run_compile(args: argparse.Namespace) -> int:
     from causaldraft.models.quant import int4_kernels
     from causaldraft.threads import thread_invariant
 
+    max_nodes = TreeConfig(max_nodes=args.max_nodes).max_nodes if args.max_nodes is not None else TreeConfig().max_nodes
     target = load_model(args.model, "native", args.dtype)
     backend = target.backend
     assert isinstance(backend, NativeLlama)
     if not compile_backend(target):
         return 1
-    max_nodes = args.max_nodes or TreeConfig().max_nodes
     seconds = {}
     for aux_layers in ((), default_aux_layers(backend.llama_shape.num_layers)):
         cost = verify_cost(backend, max_nodes, aux_layers, remeasure=args.recalibrate)

@@ -53,6 +53,9 @@ def test_show_tree_prints_tree_mask_and_png(
     nowhere = tmp_path / "no-folder" / "mask.png"
     assert main(["show-tree", "--prompt", "hi", "--model", str(tmp_path / "no-model"), "--png", str(nowhere)]) == 2
     assert f"the folder {nowhere.parent} does not exist" in capsys.readouterr().err  # before the model loads
+    for nodes in ("500", "0"):  # once timed up to 64 rows without a word, or took 0 as the default
+        assert main(["compile", "--model", str(tmp_path / "no-model"), "--max-nodes", nodes]) == 2
+        assert f"max_nodes must be in [2, 256], got {nodes}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -276,7 +276,9 @@ class MethodFactory:
         try:
             import llama_cpp  # noqa: F401
         except ImportError as error:
-            message = "llamacpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"
+            message = (
+                "llamacpp skipped: llama-cpp-python is not installed (pip install -e .[llamacpp]; README, Benchmarks)"
+            )
             raise CausalDraftError(message) from error
         if self.config.model == "default":
             gguf = default_gguf_path()

@@ -216,7 +216,7 @@ def test_flags_of_the_other_drafter_kind_are_refused_and_explicit_values_are_kep
     base = ["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(write_prompts(tmp_path)),
             "--out", str(tmp_path / "out")]  # fmt: skip
     for kind, extra, named in (("eagle3", ["--steps", "5", "--num-heads", "2"], "--num-heads, --steps apply to "
-                               "--heads markov/medusa only"), ("markov", ["--epochs", "1"], "--epochs apply to "
+                               "--heads markov/medusa only"), ("markov", ["--epochs", "1"], "--epochs applies to "
                                "--heads eagle3 only")):  # fmt: skip
         assert main([*base, "--heads", kind, *extra]) == 2
         assert named in capsys.readouterr().err

@@ -94,7 +94,7 @@ def refuse_other_kinds(args: argparse.Namespace) -> None:
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         which = "--heads markov/medusa" if args.heads == "eagle3" else "--heads eagle3"
-        raise CausalDraftError(f"{flags} apply to {which} only")
+        raise CausalDraftError(f"{flags} {'applies' if len(given) == 1 else 'apply'} to {which} only")
 
 
 def resolved(value: T | None, default: T) -> T:

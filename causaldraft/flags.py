@@ -35,7 +35,9 @@ def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> 
     parser.add_argument("--drafter", default=default_drafter,
                         help="auto (default: the trained drafter in --heads DIR; else lookup), none, lookup, "
                         "draft, medusa, markov, eagle3")  # fmt: skip
-    parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind)
+    parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind,
+                        help="draft shape: one chain, a fixed tree, or a tree grown where the drafter is sure and "
+                        "cut to the measured verify cost (default: %(default)s)")  # fmt: skip
     add_draft_options(parser)
 
 
@@ -86,11 +88,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (token-identical to plain decoding); > 0: sample (default: %(default)s)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: 1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0: off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling: the same seed gives the same text with every drafter under the "
+                        "default gumbel sampler "
+                        "(default: a fresh one)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="new tokens at most (default: %(default)s)")
     parser.add_argument("--stop", action="append", default=None, type=stop_string,
                         help=r"stop string (repeatable); \n, \t, \r and \\ in it are a newline, a tab, a carriage "
                         r"return and a backslash")  # fmt: skip

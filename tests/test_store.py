@@ -258,6 +258,10 @@ def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytes
     assert (again / STORE_FILE).read_bytes() == (out / STORE_FILE).read_bytes()
     assert main(["build-store", "--model", str(tiny_llama_dir), "--out", str(again)]) == 2  # neither source
     assert "either --prompts" in capsys.readouterr().err
+    missing = tmp_path / "missing.txt"  # refused before a model loads (this one does not exist either)
+    assert main(["build-store", "--model", str(tmp_path / "no-model"), "--prompts", str(missing), "--out",
+                 str(again)]) == 2  # fmt: skip
+    assert f"prompt file {missing} does not exist" in capsys.readouterr().err
     for change, message in (({"fingerprint": "0123456789abcdef"}, "another model's answers"),
                             ({"temperature": 0.8}, "sampled answers")):  # fmt: skip
         data = tmp_path / f"data-{message.split()[0]}"

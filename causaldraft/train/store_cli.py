@@ -45,6 +45,9 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
 def run(args: argparse.Namespace) -> int:
     if (args.source is None) == (not args.prompts):
         raise CausalDraftError("pass either --prompts FILES (to generate answers) or --from DIR (answers generated)")
+    for path in args.prompts:  # before the model loads
+        if not path.is_file():
+            raise CausalDraftError(f"prompt file {path} does not exist")
     loaded = load_model(args.model, "native", "bfloat16")
     backend = loaded.backend
     if not isinstance(backend, NativeLlama):
@@ -58,9 +61,6 @@ def run(args: argparse.Namespace) -> int:
                                   threads=args.threads)  # fmt: skip
         work = args.work or causaldraft_home() / "train" / loaded.fingerprint
         directory = work / f"store-data-seed{args.data_seed}"
-        for path in args.prompts:
-            if not path.is_file():
-                raise CausalDraftError(f"prompt file {path} does not exist")
         fingerprint = loaded.fingerprint
         generated = generate_features(backend, loaded.tokenizer, args.prompts, directory, (), config, fingerprint)
     sequences = load_sequences(directory)

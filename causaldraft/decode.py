@@ -313,7 +313,9 @@ def finish_step(
     emitted = accept_tokens(decoder, state, list(acceptance.tokens), max_new_tokens)
     decoder.drafter.observe(StepResult(draft, acceptance, tuple(state.tokens), features))
     accepted = len(acceptance.path) - 1
-    step = StepStats(draft.tree.size, accepted, timing.draft_s, timing.verify_s, policy.state.speculating)
+    # a step is speculative when it verified a draft beyond the root (plain decoding's steps never are)
+    step = StepStats(draft.tree.size, accepted, timing.draft_s, timing.verify_s,
+                     policy.state.speculating and draft.tree.size > 1)  # fmt: skip
     state.stats.record(step, max(draft.tree.depths))
     policy.observe(draft, accepted, step.draft_s, step.verify_s)
     return emitted

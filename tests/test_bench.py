@@ -116,6 +116,8 @@ def test_steps_jsonl(bench: tuple[Path, dict, BenchRun]) -> None:
         assert sum(line["accepted"] + 1 for line in steps) >= results["methods"][name]["new_tokens"]
     assert {line["question"] for line in lines} == {"81", "111"}
     assert not [line for line in lines if line["method"] == "hf"]
+    assert not [line for line in lines if line["method"] == "ar" and line["speculated"]]  # plain steps: never
+    assert all(line["speculated"] == (line["nodes"] > 1) for line in lines if line["method"] == "lookup:chain")
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(outputs) == 3 * 5  # three turns for each method that ran
     assert all(line["first_difference_vs_ar"] is None for line in outputs if line["method"] in LOSSLESS)

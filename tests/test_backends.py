@@ -26,7 +26,7 @@ from causaldraft.models.loading import (
 )
 from causaldraft.models.native import NativeLlama
 from causaldraft.tree import Tree, compile_tree, full_mask
-from tests.tiny import byte_tokenizer, save_tiny_llama, tiny_llama_config
+from tests.tiny import byte_tokenizer, save_tiny_gpt2, save_tiny_llama, tiny_llama_config
 
 PREFIX = [5, 17, 42, 99, 3, 250, 8, 61]
 
@@ -218,6 +218,24 @@ def test_a_sliding_window_caps_the_context_where_decoding_stays_the_models(tmp_p
     assert engine.generate(prompt, max_new_tokens=new).token_ids == expected[0, ids.shape[1] :].tolist()
     with pytest.raises(CausalDraftError, match="context of 16 tokens"):
         engine.generate(prompt, max_new_tokens=new + 1)
+
+
+def test_pickle_checkpoints_of_other_weights_have_other_fingerprints(tmp_path: Path) -> None:
+    """A ``*.bin`` checkpoint (hf backend only) has no safetensors rows to sample: its files' sizes, heads and
+    tails stand for its weights, so two seeds are two models and a copy is the same one."""
+    from transformers import GPT2LMHeadModel
+
+    fingerprints = []
+    for seed in (0, 1, 0):
+        directory = save_tiny_gpt2(tmp_path / f"safetensors-{len(fingerprints)}", seed=seed)
+        pickled = tmp_path / f"pickled-{len(fingerprints)}"  # written by hand: transformers 5 saves safetensors only
+        pickled.mkdir()
+        shutil.copy(directory / "config.json", pickled / "config.json")
+        torch.save(GPT2LMHeadModel.from_pretrained(str(directory)).state_dict(), pickled / "pytorch_model.bin")
+        byte_tokenizer().save_pretrained(str(pickled))
+        assert not list(pickled.glob("*.safetensors")) and list(pickled.glob("*.bin"))
+        fingerprints.append(load_model(str(pickled), backend="hf", dtype="float32").base_fingerprint)
+    assert fingerprints[0] != fingerprints[1] and fingerprints[0] == fingerprints[2]
 
 
 def test_unsupported_architecture_on_native_points_to_hf(tiny_gpt2_dir: Path) -> None:

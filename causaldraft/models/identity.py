@@ -8,7 +8,8 @@ would cost seconds for a large model, so each tensor contributes its name, dtype
 (almost) every row of every matrix, so it gets another fingerprint; so does another rope scaling with
 the same weights. The files are read, not the loaded model, so the fingerprint is the same whatever dtype
 the model is loaded in. A model converted from a GGUF file is identified by that file's SHA-256 instead of
-its converted weights, which another transformers release could round differently.
+its converted weights, which another transformers release could round differently. A checkpoint in PyTorch's
+pickle format (``*.bin``, which only the hf backend reads) contributes each file's size and its first and last MiB.
 
 Until stop 42 the fingerprint covered the sizes and the first 256 embedding rows only: a fine-tune
 sharing its base's embeddings, or the same weights under another rope, passed for its base. Folders
@@ -35,6 +36,7 @@ ARCHITECTURE_KEYS = (
     "hidden_act", "max_position_embeddings",
 )  # fmt: skip
 ROWS_READ = 4
+PICKLE_BYTES = 1 << 20  # of a *.bin checkpoint file, read at its start and its end
 OLD_FINGERPRINTS = "drafters and stores made before causaldraft's stop 43 carry an older fingerprint: make them again"
 
 
@@ -50,7 +52,15 @@ def checkpoint_fingerprint(model_dir: Path, gguf_sha256: str | None = None) -> s
     if gguf_sha256 is not None:
         digest.update(f"gguf {gguf_sha256}".encode())
         return digest.hexdigest()[:16]
-    for file in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    if not files:  # a PyTorch-pickle checkpoint (the hf backend reads it): its files' sizes, heads and tails
+        for other in sorted(model_dir.glob("*.bin")):
+            digest.update(f"{other.name} {other.stat().st_size}".encode())
+            with other.open("rb") as handle:
+                digest.update(handle.read(PICKLE_BYTES))
+                handle.seek(max(0, other.stat().st_size - PICKLE_BYTES))
+                digest.update(handle.read(PICKLE_BYTES))
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in sorted(handle.keys()):

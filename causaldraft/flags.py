@@ -63,10 +63,11 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-layers", type=int, default=4, help="self-draft: target layers to use")
     parser.add_argument("--heads", default=None, help="trained drafter directory (markov/medusa/eagle3)")
     parser.add_argument("--no-lookup-merge", action="store_true", help="heads trees without lookup candidates")
-    parser.add_argument("--store", default=None,
-                        help="n-gram store of the model's answers for prompt lookup (causaldraft build-store; "
-                        "default: the shipped one for the default model)")  # fmt: skip
-    parser.add_argument("--no-store", action="store_true", help="prompt lookup in the text so far only")
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument("--store", default=None,
+                       help="n-gram store of the model's answers for prompt lookup (causaldraft build-store; "
+                       "default: the shipped one for the default model)")  # fmt: skip
+    store.add_argument("--no-store", action="store_true", help="prompt lookup in the text so far only")
     parser.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
     parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
     parser.add_argument("--fixed-threads", action="store_true",

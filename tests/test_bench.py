@@ -153,6 +153,28 @@ def test_cli_sampling_and_profile(tiny_llama_dir: Path, tmp_path: Path) -> None:
     assert set(results["profile"]["lookup"]) == {"4", "8"}
     assert (out / "tokens_per_s_by_budget.png").is_file()
     assert "Tokens/s by tree budget" in (out / "report.md").read_text()
+    code = main(
+        [
+            "bench",
+            "--no-compile",
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "ar",
+            "--model",
+            str(tiny_llama_dir),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "4",
+            "--limit",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0 and not (out / "tokens_per_s_by_budget.png").exists()  # the same folder, no --profile: gone
 
 
 def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

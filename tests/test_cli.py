@@ -129,3 +129,8 @@ def test_stream_and_json_are_one_or_the_other(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "x", "--stream", "--json"])
     assert "not allowed with argument" in capsys.readouterr().err
+    commands = (["generate", "--prompt", "x"], ["serve"], ["bench", "--prompts", "p", "--methods", "ar"])
+    for command in commands:  # a store and no store: once the store was silently dropped
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--store", "s", "--no-store"])
+        assert "not allowed with argument --store" in capsys.readouterr().err

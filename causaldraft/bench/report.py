@@ -224,7 +224,10 @@ def write_outputs(run: BenchRun, out_dir: str | Path) -> dict[str, object]:
         plot_accepted_lengths(run.records, out / "accepted_lengths.png"),
         plot_acceptance_by_depth(summary, out / "acceptance_by_depth.png"),
     ]
+    budgets = out / "tokens_per_s_by_budget.png"
     if run.profile:
-        plots.append(plot_budgets(run.profile, summary, out / "tokens_per_s_by_budget.png"))
+        plots.append(plot_budgets(run.profile, summary, budgets))
+    else:
+        budgets.unlink(missing_ok=True)  # an earlier --profile run's plot in a reused folder is not this run's
     (out / "report.md").write_text(render_report(results, [str(p) for p in plots], run.profile), encoding="utf-8")
     return results

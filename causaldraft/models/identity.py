@@ -18,9 +18,12 @@ recorded with that fingerprint are refused like any other model's (``OLD_FINGERP
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -61,16 +64,21 @@ def checkpoint_fingerprint(model_dir: Path, gguf_sha256: str | None = None) -> s
                 handle.seek(max(0, other.stat().st_size - PICKLE_BYTES))
                 digest.update(handle.read(PICKLE_BYTES))
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in sorted(handle.keys()):
-                    digest.update(name.encode())
-                    digest.update(sampled_bytes(handle, name))
-        except CausalDraftError:
-            raise
-        except Exception as error:  # safetensors raises several types for corrupt files
-            raise CausalDraftError(f"corrupt weights file {file}: {error}") from error
+        with opened(file) as handle:
+            for name in sorted(handle.keys()):
+                digest.update(name.encode())
+                digest.update(sampled_bytes(handle, name))
     return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def opened(file: Path) -> Iterator[Any]:
+    """A checkpoint's safetensors file opened for reading names and slices; a corrupt one is a clear error."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except Exception as error:  # safetensors raises several types for corrupt files
+        raise CausalDraftError(f"corrupt weights file {file}: {error}") from error
 
 
 def sampled_bytes(handle: object, name: str) -> bytes:

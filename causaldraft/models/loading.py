@@ -24,14 +24,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from causaldraft.config import DTYPES
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.hf import HFBackend
-from causaldraft.models.identity import checkpoint_fingerprint, load_fingerprint
+from causaldraft.models.identity import checkpoint_fingerprint, load_fingerprint, opened
 from causaldraft.models.native import LlamaShape, NativeLlama, checkpoint_files
 from causaldraft.models.packed import use_packed_head
 from causaldraft.models.products import native_bf16_products
@@ -275,11 +274,8 @@ def unused_by_native(model_dir: Path, shape: LlamaShape) -> list[str]:
     ``attention_bias`` or the MLP biases of one with ``mlp_bias``: dropping them would change every output."""
     unused = []
     for file in checkpoint_files(model_dir):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                names = list(handle.keys())
-        except Exception as error:  # safetensors raises several types for corrupt files
-            raise CausalDraftError(f"corrupt weights file {file}: {error}") from error
+        with opened(file) as handle:
+            names = list(handle.keys())
         for name in names:
             if not NATIVE_TENSORS.fullmatch(name) or (name.endswith("_proj.bias") and not shape.qkv_bias):
                 unused.append(name)

@@ -59,7 +59,8 @@ def speculators_weights(layer: Eagle3Layer, embed: torch.Tensor) -> dict[str, to
 
 def speculators_config(layer: Eagle3Layer, verifier: str, architectures: list[str]) -> dict[str, object]:
     c = layer.config
-    layer_config = {
+    rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": c.rope_theta})
+    layer_config: dict[str, object] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": c.vocab_size,
@@ -73,12 +74,14 @@ def speculators_config(layer: Eagle3Layer, verifier: str, architectures: list[st
         "rms_norm_eps": c.rms_eps,
         "max_position_embeddings": c.max_positions,
         "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_parameters": rope,
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
+    if c.rope_parameters:  # the same rope under the name transformers 4 (and the vLLM releases on it) read
+        layer_config["rope_scaling"] = {name: value for name, value in rope.items() if name != "rope_theta"}
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",

@@ -189,6 +189,47 @@ def test_a_llama_with_biases_native_drops_is_refused_and_hf_decodes_it(tmp_path:
     assert engine.generate(prompt, max_new_tokens=12).token_ids == expected[0, ids.shape[1] :].tolist()
 
 
+SCALED_ROPES = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPES))
+def test_scaled_ropes_compute_what_transformers_computes(tmp_path: Path, rope: str) -> None:
+    """The native backend runs a scaled rope (Llama 3's, yarn with its cos/sin scaling, linear, dynamic NTK
+    within the context) as transformers does, past the original length (logits of a 48-token pass, which
+    the default rope would change but for dynamic NTK); longrope, whose frequencies transformers switches
+    at that length, is refused (next test)."""
+    directory = save_tiny_llama(tmp_path / rope, rope_scaling=SCALED_ROPES[rope], rope_theta=50000.0)
+    plain_rope = save_tiny_llama(tmp_path / "default", rope_theta=50000.0)  # the same weights (seed 0)
+    tokens = torch.randint(3, 259, (48,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)(tokens[None]).logits[0]
+        unscaled = AutoModelForCausalLM.from_pretrained(str(plain_rope), dtype=torch.float32)(tokens[None]).logits[0]
+    backend = load_model(str(directory), backend="native", dtype="float32").backend
+    causal = torch.ones(48, 48, dtype=torch.bool).tril()
+    with torch.inference_mode():
+        logits = backend.forward(tokens, torch.arange(48), causal, backend.new_cache(48)).logits.float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    if rope == "dynamic":  # dynamic NTK scales past max_position_embeddings only, beyond any context
+        torch.testing.assert_close(unscaled, expected)
+    else:
+        assert float((unscaled - expected).abs().max()) > 1e-2  # the scaling matters at these positions
+
+
+def test_a_rope_that_changes_with_the_context_length_is_refused_natively(tmp_path: Path) -> None:
+    factors = [1.0 + index / 8 for index in range(8)]  # head_dim 16: 8 frequencies
+    longrope = {"rope_type": "longrope", "short_factor": factors, "long_factor": [2 * f for f in factors],
+                "original_max_position_embeddings": 16}  # fmt: skip
+    directory = save_tiny_llama(tmp_path / "longrope", rope_scaling=longrope)
+    with pytest.raises(CausalDraftError, match="longrope changes them with the context length: use --backend hf"):
+        load_model(str(directory), backend="native", dtype="float32")
+
+
 @pytest.mark.parametrize("backend", ["native", "hf"])
 def test_a_sliding_window_caps_the_context_where_decoding_stays_the_models(tmp_path: Path, backend: str) -> None:
     """Both backends attend to the whole context, which is what a Mistral with a sliding window computes

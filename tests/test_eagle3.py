@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from causaldraft.drafters.eagle3_model import (
     new_layer,
     pack_linears,
     read_config,
+    rope_frequencies,
     save_layer,
     widen_vocabulary,
 )
@@ -483,23 +485,56 @@ def test_packed_layer_drafts_what_the_plain_layer_drafts(tiny: LoadedModel) -> N
         assert torch.equal(outs[1].argmax(-1)[clear], outs[0].argmax(-1)[clear])
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 128}  # fmt: skip
+
+
+def test_a_scaled_rope_target_trains_a_layer_that_runs_its_rope(tmp_path: Path) -> None:
+    """A Llama 3 style target (llama3 rope scaling): the layer is trained with the target's own rope, saved
+    with it, drafts with it, and greedy output stays the target's."""
+    from tests.tiny import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "llama3-rope", rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"the cat {index}" for index in range(24)) + "\n")
+    assert main(["train-heads", "--model", str(model), "--prompts", str(prompts), "--heads", "eagle3",
+                 "--draft-vocab", "128", "--tokens", "400", "--max-new-tokens", "16", "--ttt-steps", "2",
+                 "--rows-per-batch", "64", "--context", "8", "--dtype", "float32", "--work", str(tmp_path / "work"),
+                 "--out", str(tmp_path / "out")]) == 0  # fmt: skip
+    config, _ = read_config(tmp_path / "out")
+    assert config.rope_parameters is not None and config.rope_parameters["rope_type"] == "llama3"
+    assert config.rope_theta == config.rope_parameters["rope_theta"] == 500000.0
+    target = load_model(str(model), "native", "float32")
+    assert isinstance(target.backend, NativeLlama)
+    layer = load_layer(tmp_path / "out", target.base_fingerprint, 259, 64)
+    assert torch.equal(layer.inv_freq, target.backend.inv_freq)  # the target's scaled frequencies
+    assert not torch.equal(layer.inv_freq, rope_frequencies(replace(config, rope_parameters=None))[0])
+    expected = plain(target, PROMPTS, 32)
+    for tree in ("chain", "dynamic"):
+        engine = load(loaded=target, drafter="eagle3", tree=tree, heads=str(tmp_path / "out"), calibrate=False,
+                      fallback=False, compile=False)  # fmt: skip
+        assert [engine.generate(prompt, max_new_tokens=32).token_ids for prompt in PROMPTS] == expected
+
+
 def test_a_target_rope_the_layer_cannot_take_is_refused_before_any_data_is_made(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The draft layer runs the default rope: a target with llama3 rope scaling is refused at once, not
-    after the data generation (hours at the default --tokens)."""
+    """Dynamic NTK rope changes its frequencies with the sequence length (and vLLM runs it otherwise than
+    transformers): such a target is refused at once, not after the data generation (hours at the default
+    --tokens); a layer config naming such a rope is refused too."""
     from tests.tiny import save_tiny_llama
 
-    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 128}  # fmt: skip
-    model = save_tiny_llama(tmp_path / "llama3-rope", rope_scaling=scaled, rope_theta=500000.0)
+    model = save_tiny_llama(tmp_path / "dynamic-rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat\n")
     code = main(["train-heads", "--model", str(model), "--prompts", str(prompts), "--heads", "eagle3",
                  "--tokens", "400", "--dtype", "float32", "--work", str(tmp_path / "work"),
                  "--out", str(tmp_path / "out")])  # fmt: skip
-    assert code == 2 and "default rope only, not 'llama3'" in capsys.readouterr().err
+    assert code == 2 and "linear, llama3, yarn ropes, not 'dynamic'" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+    tiny = load_model(str(save_tiny_llama(tmp_path / "plain")), "native", "float32")
+    with pytest.raises(CausalDraftError, match="not 'longrope'"):
+        replace(eagle3_config(tiny, 64), rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
 
 
 def test_train_heads_cli_trains_eagle3_and_continues_from_init(

@@ -75,14 +75,33 @@ def test_export_heads_cli_names_the_verifier_absolutely_and_refuses_what_it_cann
     assert not (tmp_path / "x").exists()
 
 
-def test_speculators_model_class_gives_the_same_draft_logits(tiny_bf16: LoadedModel, tmp_path: Path) -> None:
+SCALED_ROPES = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3", "yarn"])
+def test_speculators_model_class_gives_the_same_draft_logits(tiny_bf16: LoadedModel, tmp_path: Path, rope: str) -> None:
+    """speculators' EAGLE-3 model, loaded from the exported folder, computes the layer's logits: for a target
+    with the default rope and for targets that scale theirs (llama3 as Llama 3.1/3.2, yarn with its cos/sin
+    scaling), whose rope the layer and the export carry."""
     python = os.environ.get("CAUSALDRAFT_SPECULATORS_PYTHON")
     if not python:
         if os.environ.get("CI"):
             pytest.fail("CAUSALDRAFT_SPECULATORS_PYTHON is not set in CI (make test sets it)")
         pytest.skip("no speculators interpreter (make .venv-speculators; make test sets it)")
-    directory, out = exported(tiny_bf16, tmp_path)
-    reference = write_reference(directory, tiny_bf16, tmp_path / "reference.pt")
+    target = tiny_bf16
+    if rope != "default":
+        from tests.tiny import save_tiny_llama
+
+        model = save_tiny_llama(tmp_path / f"{rope}-rope", rope_scaling=SCALED_ROPES[rope], rope_theta=500000.0)
+        target = load_model(str(model), "native", "bfloat16")
+    directory, out = exported(target, tmp_path)
+    layer_config = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    assert layer_config["rope_parameters"]["rope_type"] == rope
+    reference = write_reference(directory, target, tmp_path / "reference.pt")
     run = subprocess.run([python, str(CHECK), str(out), str(reference)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])

@@ -28,17 +28,20 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models import attention_kernel
 from causaldraft.models.identity import OLD_FINGERPRINTS
-from causaldraft.models.native import RMSNorm, apply_rope, attend
+from causaldraft.models.native import RMSNorm, apply_rope, attend, rope_inverse_frequencies
 from causaldraft.models.packed import DraftLinear
 
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "eagle3.safetensors"
 FORMAT_VERSION = 1
 CALIBRATION_FIELDS = ("score_temperature", "sampling_temperature_scale", "noise_score_temperature")  # optional
+# ropes whose frequencies do not change with the sequence length, as vLLM and speculators run them too
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class Eagle3Config:
     score_temperature: float = 1.0
     sampling_temperature_scale: float = 1.0
     noise_score_temperature: float = 1.0
+    # the target's scaled rope (transformers' ``rope_parameters``: rope_type, rope_theta, factor, ...);
+    # None (configs written before it, and targets with the default rope): the default rope at rope_theta
+    rope_parameters: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.draft_vocab <= self.vocab_size or self.num_heads % self.kv_heads:
@@ -71,6 +77,9 @@ class Eagle3Config:
             raise CausalDraftError(f"eagle3 calibration temperatures must be positive and finite: {self}")
         if not self.aux_layers or any(not 0 <= layer <= self.target_layers for layer in self.aux_layers):
             raise CausalDraftError(f"eagle3 aux layers {self.aux_layers} outside [0, {self.target_layers}]")
+        rope_type = self.rope_parameters.get("rope_type", "default") if self.rope_parameters else "default"
+        if rope_type not in ROPE_TYPES:
+            raise CausalDraftError(f"the eagle3 layer takes the {', '.join(ROPE_TYPES)} ropes, not {rope_type!r}")
 
     @property
     def feature_size(self) -> int:
@@ -84,14 +93,15 @@ class Eagle3Config:
 class Eagle3Layer(nn.Module):
     vocab_ids: torch.Tensor  # [V'] target id of each draft id (sorted)
     inv_freq: torch.Tensor  # [head_dim // 2]
+    attention_scaling: float  # cos and sin are scaled by it (yarn; 1.0 otherwise)
 
     def __init__(self, config: Eagle3Config, vocab_ids: torch.Tensor) -> None:
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         self.register_buffer("vocab_ids", vocab_ids.long().clone(), persistent=False)
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
-        self.register_buffer("inv_freq", (1.0 / config.rope_theta**exponents).float(), persistent=False)
+        inv_freq, self.attention_scaling = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.fc = nn.Linear(config.feature_size, hidden, bias=False)
         self.input_layernorm = RMSNorm(hidden, config.rms_eps)
         self.hidden_norm = RMSNorm(hidden, config.rms_eps)
@@ -118,7 +128,8 @@ class Eagle3Layer(nn.Module):
         """positions [...] -> cos, sin [..., head_dim]."""
         angles = positions.float()[..., None] * self.inv_freq  # [..., hd/2]
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        scaling = self.attention_scaling
+        return (angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype)
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[..., h] token embeddings and hidden states -> q, k, v [..., rows]."""
@@ -165,6 +176,17 @@ class Eagle3Layer(nn.Module):
             # the span grows every step (measured: 1.3 ms per call for a fresh span against 0.14 ms)
             out = attend(q.float(), keys[:, :span].float(), values[:, :span].float(), mask).to(q.dtype)  # [nh, n, hd]
         return self.finish(hidden, out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim))
+
+
+def rope_frequencies(config: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """The layer's rope: inverse frequencies [head_dim // 2] (fp32) and cos/sin scaling, the target's own rope
+    (transformers' rope registry, through the native backend's reader)."""
+    rope = LlamaConfig(
+        hidden_size=config.num_heads * config.head_dim, num_attention_heads=config.num_heads,
+        head_dim=config.head_dim, max_position_embeddings=config.max_positions,
+        rope_parameters=dict(config.rope_parameters or {"rope_type": "default", "rope_theta": config.rope_theta}),
+    )  # fmt: skip
+    return rope_inverse_frequencies(rope, config.head_dim)
 
 
 def new_layer(config: Eagle3Config, vocab_ids: torch.Tensor, lm_head: torch.Tensor, seed: int = 0) -> Eagle3Layer:
@@ -239,8 +261,10 @@ def read_config(directory: Path) -> tuple[Eagle3Config, dict[str, object]]:
         record = json.loads(path.read_text())
         if record.get("format") != FORMAT_VERSION:
             raise CausalDraftError(f"{path}: unsupported eagle3 format {record.get('format')!r}")
-        fields = {name: record[name] for name in Eagle3Config.__dataclass_fields__ if name not in CALIBRATION_FIELDS}
+        optional = (*CALIBRATION_FIELDS, "rope_parameters")
+        fields = {name: record[name] for name in Eagle3Config.__dataclass_fields__ if name not in optional}
         fields.update({name: float(record[name]) for name in CALIBRATION_FIELDS if name in record})
+        fields["rope_parameters"] = record.get("rope_parameters")
         fields["aux_layers"] = tuple(fields["aux_layers"])
         return Eagle3Config(**fields), record
     except (json.JSONDecodeError, KeyError, TypeError) as error:

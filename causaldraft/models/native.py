@@ -115,6 +115,9 @@ def rope_inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[t
         theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
         return (1.0 / theta**exponents).float(), 1.0
+    if rope_type == "longrope":  # transformers switches its frequencies past the original length
+        raise CausalDraftError("the native backend keeps one set of rope frequencies; longrope changes them with the "
+                               "context length: use --backend hf")  # fmt: skip
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise CausalDraftError(f"unsupported rope type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))

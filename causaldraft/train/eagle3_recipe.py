@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from causaldraft.drafters.eagle3_model import (
+    ROPE_TYPES,
     WEIGHTS_FILE,
     Eagle3Config,
     load_layer,
@@ -68,13 +69,18 @@ class Eagle3Recipe:
             raise CausalDraftError(f"--draft-vocab must be >= 16, got {self.draft_vocab}")
 
 
-def rope_theta(model_dir: Path) -> float:
-    """The target's rope base; the draft layer uses the same (default) rope."""
+def target_rope(model_dir: Path) -> tuple[float, dict[str, object] | None]:
+    """The target's rope base and, where it scales its rope, its rope parameters: the draft layer runs the
+    same rope. A rope the layer cannot take (its frequencies change with the sequence length) is refused."""
     config = AutoConfig.from_pretrained(str(model_dir))
-    params = getattr(config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise CausalDraftError(f"eagle3 supports the default rope only, not {params.get('rope_type')!r}")
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CausalDraftError(f"eagle3 takes targets with the {', '.join(ROPE_TYPES)} ropes, not {rope_type!r}")
+    if rope_type == "default":
+        return theta, None
+    return theta, {**params, "rope_type": rope_type, "rope_theta": theta}
 
 
 def eagle3_config(loaded: LoadedModel, draft_vocab: int, aux_layers: tuple[int, ...] | None = None) -> Eagle3Config:
@@ -83,12 +89,13 @@ def eagle3_config(loaded: LoadedModel, draft_vocab: int, aux_layers: tuple[int, 
     if not isinstance(backend, NativeLlama):
         raise CausalDraftError("eagle3 training needs the native backend")
     s = backend.llama_shape
+    theta, rope = target_rope(loaded.model_dir)
     return Eagle3Config(
         hidden_size=s.hidden_size, num_heads=s.num_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
         intermediate_size=s.intermediate_size, rms_eps=s.rms_eps, vocab_size=s.vocab_size,
         draft_vocab=min(draft_vocab, s.vocab_size), aux_layers=aux_layers or default_aux_layers(s.num_layers),
-        target_layers=s.num_layers, rope_theta=rope_theta(loaded.model_dir), max_positions=s.max_positions,
-        fingerprint=loaded.base_fingerprint,
+        target_layers=s.num_layers, rope_theta=theta, max_positions=s.max_positions,
+        fingerprint=loaded.base_fingerprint, rope_parameters=rope,
     )  # fmt: skip
 
 
@@ -110,7 +117,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
     assert isinstance(backend, NativeLlama)
-    rope_theta(loaded.model_dir)  # a rope the layer cannot take is refused before any data is made
+    target_rope(loaded.model_dir)  # a rope the layer cannot take is refused before any data is made
     use_batch_products(backend)  # the data passes run 48 rows and whole prompts at a time
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     shape = backend.shape

@@ -1,6 +1,6 @@
 """Load an exported eagle3 drafter with the ``speculators`` package and compare its draft logits with
 causaldraft's on the same inputs. Runs in a Python environment that has speculators (its pins clash
-with the project's transformers, so it lives in a venv of its own: ``make .venv-speculators``);
+with the project's transformers, so it lives in a venv of its own: ``make .venv-speculators/bin/python``);
 it imports nothing from causaldraft.
 
 Inputs and causaldraft's logits come from ``reference.pt`` (written by

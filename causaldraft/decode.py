@@ -1,4 +1,4 @@
-"""The one decoding loop: draft -> verify -> accept -> commit -> adapt, as a generator.
+"""The one decoding loop: draft -> verify -> commit -> accept -> observe, as a generator.
 
 Plain decoding is the same loop with a root-only draft. State lives in ``DecodeState``; stats in
 ``GenerationStats``. Stop rules are applied token by token to the emitted block, so EOS, stop

@@ -1,7 +1,7 @@
 """Export of an eagle3 drafter in the speculators layout, checked by speculators' own model class.
 
 The check runs in the interpreter named by ``CAUSALDRAFT_SPECULATORS_PYTHON`` (a venv with
-speculators: ``make .venv-speculators``; ``make test`` sets it). Without it the check is skipped
+speculators: ``make .venv-speculators/bin/python``; ``make test`` sets it). Without it the check is skipped
 locally, and fails in CI (``CI`` set), so the proof cannot silently go missing there."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_speculators_model_class_gives_the_same_draft_logits(tiny_bf16: LoadedMo
     if not python:
         if os.environ.get("CI"):
             pytest.fail("CAUSALDRAFT_SPECULATORS_PYTHON is not set in CI (make test sets it)")
-        pytest.skip("no speculators interpreter (make .venv-speculators; make test sets it)")
+        pytest.skip("no speculators interpreter (make .venv-speculators/bin/python; make test sets it)")
     target = tiny_bf16
     if rope != "default":
         from tests.tiny import save_tiny_llama

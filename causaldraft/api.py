@@ -50,6 +50,24 @@ def token_id(item: object) -> int:
         raise CausalDraftError(f"token ids are integers, got {item!r}") from None
 
 
+REQUEST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat")
+
+
+def check_request_options(options: Mapping[str, object]) -> None:
+    """A request's options are ``REQUEST_OPTIONS`` (a misspelt one is a CausalDraftError, not a TypeError), with
+    valid values (``Engine.start`` checks them again as it starts the request)."""
+    unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+    if unknown:
+        raise CausalDraftError(f"unknown request option {unknown[0]!r}; the options are {', '.join(REQUEST_OPTIONS)}")
+    if "max_new_tokens" in options:
+        validate_max_new_tokens(options["max_new_tokens"])
+    sampling = {name: options[name] for name in ("temperature", "top_p", "top_k", "seed") if name in options}
+    SamplingConfig(**sampling)  # type: ignore[arg-type]
+    stop_strings(options.get("stop"))
+    if not isinstance(options.get("chat", False), bool):
+        raise CausalDraftError(f"chat must be True or False, got {options['chat']!r}")
+
+
 def stop_strings(stop: object) -> list[str]:
     """``stop`` as a list of non-empty strings: one string, a sequence of them, or None."""
     items = [stop] if isinstance(stop, str) else stop if isinstance(stop, (list, tuple)) else None
@@ -114,6 +132,12 @@ class Engine:
         items = list(prompt)
         if items and all(isinstance(item, Mapping) for item in items):
             return self.encode_chat(typing.cast(list[Mapping[str, str]], items))
+        odd = next((item for item in items if isinstance(item, (str, Mapping))), None)
+        if odd is not None:
+            raise CausalDraftError(f"a prompt list holds chat messages (dicts with a role and a content) or token ids "
+                                   f"(ints), not both and not text: got {odd!r}")  # fmt: skip
+        if chat:
+            raise CausalDraftError("chat=True applies to a text prompt; token ids are taken as they are")
         ids = [token_id(item) for item in items]
         vocab = self.model.backend.shape.vocab_size
         if any(token < 0 or token >= vocab for token in ids):
@@ -153,6 +177,8 @@ class Engine:
         ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
         chunk per step). Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
+        if not isinstance(chat, bool):
+            raise CausalDraftError(f"chat must be True or False, got {chat!r}")
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         stops = stop_strings(stop)
@@ -184,7 +210,12 @@ class Engine:
     def events(self, prompt: Prompt, **options: Any) -> Iterator[StreamPiece | Completion]:
         """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
         the request is left on the engine (its adaptation state carries over, by design). Options:
-        those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat)."""
+        those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat), checked at
+        once; the request starts at the first ``next``."""
+        check_request_options(options)
+        return self.run_events(prompt, options)
+
+    def run_events(self, prompt: Prompt, options: dict[str, Any]) -> Iterator[StreamPiece | Completion]:
         run = self.start(prompt, **options)
         steps = decode_steps(run.decoder, run.state, run.policy, run.sampling, run.max_new_tokens, run.threads)
         for emitted in steps:
@@ -194,9 +225,9 @@ class Engine:
         yield from run.finish()
 
     def stream(self, prompt: Prompt, **options: object) -> Iterator[str]:
-        for item in self.events(prompt, **options):  # type: ignore[arg-type]
-            if isinstance(item, StreamPiece) and item.text:
-                yield item.text
+        """The text as it is decoded (options as ``generate``; bad ones are refused here, at the call)."""
+        events = self.events(prompt, **options)
+        return (item.text for item in events if isinstance(item, StreamPiece) and item.text)
 
     def generate(self, prompt: Prompt, **options: object) -> Generation:
         texts: list[str] = []
@@ -216,6 +247,7 @@ class Engine:
 
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise CausalDraftError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
+        check_request_options(options)
         return generate_batch(self, prompts, size, **options)
 
 

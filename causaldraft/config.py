@@ -18,6 +18,15 @@ SAMPLERS = ("gumbel", "rejection")
 PATH_FIELDS = ("model", "draft_model", "heads", "store")  # EngineConfig's fields that name files
 
 
+def number(value: object) -> bool:
+    """An int or a float, not a bool (``True`` is no temperature)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen. temperature 0 means greedy."""
@@ -28,15 +37,15 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+        if not number(self.temperature) or not math.isfinite(self.temperature):
             raise CausalDraftError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise CausalDraftError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise CausalDraftError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer(self.top_k) or self.top_k < 0:
             raise CausalDraftError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not integer(self.seed):
             raise CausalDraftError(f"seed must be an integer, got {self.seed!r}")
 
     @property
@@ -168,6 +177,8 @@ class EngineConfig:
             raise CausalDraftError(f"backend must be native or hf, got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise CausalDraftError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.compile and self.backend != "native":
+            raise CausalDraftError("compiling needs the native backend (--backend native)")
         if self.draft_layers < 1:
             raise CausalDraftError(f"draft layers must be >= 1, got {self.draft_layers}")
         self.tree_config  # noqa: B018  (validates the tree sizes)

@@ -187,12 +187,19 @@ def test_context_overflow_is_a_clear_error(tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize(
     "options",
     [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"max_new_tokens": 0},
-     {"max_new_tokens": "ten"}, {"temperature": float("nan")}],
+     {"max_new_tokens": "ten"}, {"temperature": float("nan")}, {"temperature": True}, {"top_k": True},
+     {"top_p": True}, {"seed": True}, {"chat": "no"}, {"max_tokens": 5}],
 )  # fmt: skip
 def test_invalid_sampling_parameters_are_clear_errors(tiny_llama_dir: Path, options: dict[str, object]) -> None:
+    """Bad request options (a bool for a number, a misspelt name) are CausalDraftErrors, raised by ``stream`` at
+    the call, before any text; the engine goes on as before."""
     plain = engine(tiny_llama_dir)
     with pytest.raises(CausalDraftError):
         plain.generate(PROMPTS[0], **options)
+    with pytest.raises(CausalDraftError):
+        plain.stream(PROMPTS[0], **options)
+    with pytest.raises(CausalDraftError):
+        plain.generate_batch([PROMPTS[0]], **options)
     assert plain.generate(PROMPTS[0], max_new_tokens=3).stats.new_tokens == 3  # nothing lost
 
 
@@ -208,6 +215,8 @@ def test_invalid_engine_options_are_clear_errors(tiny_llama_dir: Path) -> None:
     for model in (None, 3):
         with pytest.raises(CausalDraftError, match="model must be str"):
             causaldraft.load(model=model)  # type: ignore[arg-type]
+    with pytest.raises(CausalDraftError, match="compiling needs the native backend"):  # before any model loads
+        causaldraft.load(model=str(tiny_llama_dir / "nowhere"), backend="hf", compile=True)
     assert engine(Path(tiny_llama_dir)).generate("ab", max_new_tokens=2).token_ids  # a Path names a model too
 
 
@@ -217,9 +226,14 @@ def test_empty_prompt_and_bad_token_ids_are_clear_errors(tiny_llama_dir: Path) -
         plain.generate("", max_new_tokens=3)
     with pytest.raises(CausalDraftError):
         plain.generate([1, 2, 9999], max_new_tokens=3)
-    for prompt in (b"hello", [1.5, 2.7], [True, 5], None, 5, ["ab", "cd"]):
+    for prompt in (b"hello", [1.5, 2.7], [True, 5], None, 5):
         with pytest.raises(CausalDraftError, match="a prompt is|token ids are integers"):
             plain.generate(prompt, max_new_tokens=3)  # type: ignore[arg-type]
+    for prompt in (["ab", "cd"], [{"role": "user", "content": "hi"}, 5]):
+        with pytest.raises(CausalDraftError, match="chat messages .* or token ids .*, not both and not text: got"):
+            plain.generate(prompt, max_new_tokens=3)  # type: ignore[arg-type]
+    with pytest.raises(CausalDraftError, match="chat=True applies to a text prompt"):
+        plain.generate([5, 6], chat=True, max_new_tokens=3)
     for stop in (5, [5], [None], {"a": 1}):
         with pytest.raises(CausalDraftError, match="stop must be"):
             plain.generate("ab", max_new_tokens=3, stop=stop)

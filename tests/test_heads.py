@@ -199,7 +199,9 @@ def test_shipped_default_heads_match_plain_decoding() -> None:
     questions = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "mt-bench-other16.jsonl"
     prompts = [json.loads(line)["turns"][0] for line in questions.read_text().splitlines()[:2]]
     target = load_model("default", "native", "float32")
-    assert auto_choice(target, DrafterOptions()) == "lookup"  # the default drafter, even where trained heads fit
+    # the default drafter: the shipped eagle3 layer on a bf16 or fp32 target, prompt lookup on an int4 one
+    assert auto_choice(target, DrafterOptions()) == "eagle3"
+    assert auto_choice(load_model("default", "native", "int4"), DrafterOptions()) == "lookup"
     plain = load(loaded=target, drafter="none", calibrate=False, compile=False)
     expected = [plain.generate(prompt, max_new_tokens=64, chat=True).token_ids for prompt in prompts]
     for kind in ("markov", "medusa"):

@@ -32,12 +32,13 @@ import torch
 
 from causaldraft.adapt import DepthGate
 from causaldraft.drafters.base import Draft, DraftContext, StepResult
-from causaldraft.drafters.eagle3_model import Eagle3Layer, load_layer, pack_linears, read_config
+from causaldraft.drafters.eagle3_model import CONFIG_FILE, Eagle3Layer, load_layer, pack_linears, read_config
 from causaldraft.drafters.lookup import LookupMerge
 from causaldraft.drafters.ranking import rank_children
 from causaldraft.drafters.store import NgramStore
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
+from causaldraft.models.loading import LoadedModel
 from causaldraft.models.quant import Int8Linear, quantize_int8
 from causaldraft.tree import Candidates, LevelGate, Tree, build_tree
 
@@ -268,6 +269,12 @@ def default_eagle3_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "heads" / "default" / "eagle3"
 
 
+def shipped_eagle3_fits(target: LoadedModel) -> bool:
+    """Whether the package ships an eagle3 layer for ``target`` (the default model)."""
+    directory = default_eagle3_dir()
+    return (directory / CONFIG_FILE).is_file() and read_config(directory)[0].fingerprint == target.base_fingerprint
+
+
 def load_eagle3_drafter(target, options, store: NgramStore | None = None) -> Eagle3Drafter:  # type: ignore[no-untyped-def]
     """The registry's constructor: options.heads, or the shipped layer for the default model."""
     fingerprint = target.base_fingerprint
@@ -277,8 +284,7 @@ def load_eagle3_drafter(target, options, store: NgramStore | None = None) -> Eag
             raise CausalDraftError(f"eagle3 directory {directory} does not exist")
     else:
         directory = default_eagle3_dir()
-        shipped = (directory / "eagle3_config.json").is_file()
-        if not shipped or read_config(directory)[0].fingerprint != fingerprint:
+        if not shipped_eagle3_fits(target):
             raise CausalDraftError(
                 "no trained eagle3 drafter for this model; pass --heads DIR (see causaldraft train-heads "
                 "--heads eagle3) or use --drafter lookup"

@@ -93,15 +93,19 @@ def build_eagle3(target: LoadedModel, options: DrafterOptions, dtype: str) -> Dr
 
 
 def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:
-    """What ``auto`` (the default drafter) runs: the kind of the trained drafter in ``--heads DIR``;
-    else prompt lookup, which needs no training, costs ~0.1 ms a step and was the fastest lossless
-    drafter in every issue bench since stop 24 (int4, bf16 and seeded T=1, two prompt sets; docs/results/history.md).
-    The shipped Markov, Medusa and eagle3 drafters of the default model load by name."""
+    """What ``auto`` (the default drafter) runs: the kind of the trained drafter in ``--heads DIR``; else, on a
+    bf16 or fp32 target that a shipped eagle3 layer fits (the default model), that layer, merged with prompt
+    lookup (ahead of lookup alone in every bf16 bench of stops 38-44, by 1-12 %); else prompt lookup, which needs
+    no training, costs ~0.1 ms a step and leads with int4 and int8 targets, whose passes grow faster with the
+    tree (docs/results/history.md). The shipped Markov, Medusa and eagle3 drafters of the default model also
+    load by name."""
+    from causaldraft.drafters.eagle3 import shipped_eagle3_fits
     from causaldraft.drafters.eagle3_model import CONFIG_FILE as EAGLE3_CONFIG
     from causaldraft.drafters.heads import CONFIG_FILE, read_config
 
     if options.heads is None:
-        return "lookup"
+        unquantized = isinstance(target.backend, NativeLlama) and not target.backend.quantized
+        return "eagle3" if unquantized and shipped_eagle3_fits(target) else "lookup"
     directory = Path(options.heads).expanduser()
     if not directory.is_dir():
         raise CausalDraftError(f"heads directory {directory} does not exist")

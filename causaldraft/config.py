@@ -149,7 +149,7 @@ class EngineConfig:
     backend: str = "native"
     dtype: str = "auto"
     compile: bool | None = None  # None: compiled on the native backend, as the CLI (``compiled``)
-    drafter: str = "auto"  # trained heads that fit the model (shipped for the default one), else lookup
+    drafter: str = "auto"  # registry.auto_choice: --heads DIR's drafter, a shipped eagle3 layer, lookup
     tree: str = "dynamic"
     depth: int | None = None
     width: int | None = None

@@ -33,7 +33,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_drafter_flags(parser: argparse.ArgumentParser, default_drafter: str) -> None:
     parser.add_argument("--drafter", default=default_drafter,
-                        help="auto (default: the trained drafter in --heads DIR; else lookup), none, lookup, "
+                        help="auto (default: the trained drafter in --heads DIR; else the shipped eagle3 layer where "
+                        "it fits a bf16 or fp32 target; else lookup), none, lookup, "
                         "draft, medusa, markov, eagle3")  # fmt: skip
     parser.add_argument("--tree", choices=TREE_KINDS, default=TreeConfig().kind,
                         help="draft shape: one chain, a fixed tree, or a tree grown where the drafter is sure and "

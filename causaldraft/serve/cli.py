@@ -9,7 +9,7 @@ from causaldraft.flags import add_drafter_flags, add_model_flags, engine_config
 from causaldraft.serve.app import DEFAULT_MAX_QUEUE
 from causaldraft.serve.worker import DEFAULT_MAX_BATCH
 
-SERVE_DEFAULT_DRAFTER = "auto"  # trained heads that fit the model (shipped for the default one), else lookup
+SERVE_DEFAULT_DRAFTER = "auto"  # registry.auto_choice: --heads DIR's drafter, a shipped eagle3 layer, lookup
 
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -59,7 +59,7 @@ def speculators_weights(layer: Eagle3Layer, embed: torch.Tensor) -> dict[str, to
 
 def speculators_config(layer: Eagle3Layer, verifier: str, architectures: list[str]) -> dict[str, object]:
     c = layer.config
-    rope = dict(c.rope_parameters or {"rope_type": "default", "rope_theta": c.rope_theta})
+    rope = c.rope
     layer_config: dict[str, object] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],

@@ -44,6 +44,11 @@ CALIBRATION_FIELDS = ("score_temperature", "sampling_temperature_scale", "noise_
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def check_rope_type(rope_type: str) -> None:
+    if rope_type not in ROPE_TYPES:
+        raise CausalDraftError(f"the eagle3 layer takes the {', '.join(ROPE_TYPES)} ropes, not {rope_type!r}")
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     hidden_size: int
@@ -77,9 +82,12 @@ class Eagle3Config:
             raise CausalDraftError(f"eagle3 calibration temperatures must be positive and finite: {self}")
         if not self.aux_layers or any(not 0 <= layer <= self.target_layers for layer in self.aux_layers):
             raise CausalDraftError(f"eagle3 aux layers {self.aux_layers} outside [0, {self.target_layers}]")
-        rope_type = self.rope_parameters.get("rope_type", "default") if self.rope_parameters else "default"
-        if rope_type not in ROPE_TYPES:
-            raise CausalDraftError(f"the eagle3 layer takes the {', '.join(ROPE_TYPES)} ropes, not {rope_type!r}")
+        check_rope_type(str(self.rope["rope_type"]))
+
+    @property
+    def rope(self) -> dict[str, object]:
+        """The layer's rope in transformers' ``rope_parameters`` form (the default rope at rope_theta if none)."""
+        return dict(self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta})
 
     @property
     def feature_size(self) -> int:
@@ -184,7 +192,7 @@ def rope_frequencies(config: Eagle3Config) -> tuple[torch.Tensor, float]:
     rope = LlamaConfig(
         hidden_size=config.num_heads * config.head_dim, num_attention_heads=config.num_heads,
         head_dim=config.head_dim, max_position_embeddings=config.max_positions,
-        rope_parameters=dict(config.rope_parameters or {"rope_type": "default", "rope_theta": config.rope_theta}),
+        rope_parameters=config.rope,
     )  # fmt: skip
     return rope_inverse_frequencies(rope, config.head_dim)
 

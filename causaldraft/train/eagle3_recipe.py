@@ -17,9 +17,9 @@ import torch
 from transformers import AutoConfig
 
 from causaldraft.drafters.eagle3_model import (
-    ROPE_TYPES,
     WEIGHTS_FILE,
     Eagle3Config,
+    check_rope_type,
     load_layer,
     new_layer,
     read_config,
@@ -75,9 +75,8 @@ def target_rope(model_dir: Path) -> tuple[float, dict[str, object] | None]:
     config = AutoConfig.from_pretrained(str(model_dir))
     params = dict(getattr(config, "rope_parameters", None) or {})
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise CausalDraftError(f"eagle3 takes targets with the {', '.join(ROPE_TYPES)} ropes, not {rope_type!r}")
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    check_rope_type(rope_type)
     if rope_type == "default":
         return theta, None
     return theta, {**params, "rope_type": rope_type, "rope_theta": theta}

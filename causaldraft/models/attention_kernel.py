@@ -24,6 +24,12 @@ heads that share it, 16 lanes, eight horizontal sums at once). They give the sam
 both). On that machine, 30 layers of 9 heads over a bf16 cache of 448 positions (cache-warm, median of
 25), ms for 1 / 2 / 4 / 8 / 16 / 32 rows: AVX2 build 0.51 / 0.79 / 1.48 / 2.77 / 5.42 / 10.69, AVX-512
 build 0.35 / 0.48 / 0.81 / 1.47 / 2.83 / 5.73.
+
+Extra rows cost their own arithmetic: on the Intel Xeon with AMX of stop 45 (1,024 positions, bf16 cache) 0.91 /
+2.62 / 10.12 / 21.30 ms for 1 / 4 / 16 / 32 rows, about half of a 32-row bf16 verify pass there. A build with bf16
+products (``vdpbf16ps`` for q . k and for the weighted values; q and the weights rounded to bf16) was only 1.13x
+faster at 32 rows and not at one: that CPU issues it half as often as the fp32 multiply-add (docs/results/history.md,
+stop 45, for what would pay instead).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The attention kernel for fp32 and bf16 caches (causaldraft/models/kernels/attention.cpp): it
 computes attention over exactly the slots a row sees, and each row's result depends on nothing else:
 not the pass's other rows, the tree, the padding, the other sequences of a batch or the thread
-count; a bf16 cache gives the bits its numbers give in an fp32 one."""
+count. In the AVX2 and AVX-512 builds a bf16 cache gives the bits its numbers give in an fp32 one; the
+AMX build takes bf16 caches of head size 64 through bf16 tiles (its own arithmetic, as row-invariant)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,21 @@ pytestmark = pytest.mark.skipif(not attention_kernel.available(), reason="needs 
 KV_HEADS, HEADS, HEAD_DIM, CAPACITY = 2, 6, 64, 3 * KEY_BLOCK
 
 
-def cache(seed: int, sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+CACHE_DTYPES = [torch.float32, torch.bfloat16]  # bf16 caches of head size 64 run the AMX build where it is built
+AMX = attention_kernel.build_flags() == attention_kernel.AMX_FLAGS
+
+
+def cache(seed: int, sequences: int = 1, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(sequences, KV_HEADS, CAPACITY, HEAD_DIM, generator=generator)
     values = torch.randn(sequences, KV_HEADS, CAPACITY, HEAD_DIM, generator=generator)
-    return keys, values
+    return keys.to(dtype), values.to(dtype)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Of the kernel against float64 attention over the same numbers: fp32 arithmetic, or the AMX build's
+    queries and weights rounded to bf16."""
+    return 1e-2 if AMX and dtype == torch.bfloat16 else 1e-5
 
 
 def queries(seed: int, rows: int, sequences: int = 1) -> torch.Tensor:
@@ -58,32 +69,45 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     group = HEADS // KV_HEADS
     span = mask.shape[1]
     k = keys[0, :, :span].double().repeat_interleave(group, dim=0)
-    v = values[0, :, :span].double().repeat_interleave(group, dim=0)
+    v = values[0, :, :span].double().repeat_interleave(group, dim=0)  # bf16 numbers are exact in float64
     scores = (q[0].double() @ k.transpose(1, 2)) / HEAD_DIM**0.5
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return weights @ v
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("length", [5, KEY_BLOCK - 3, KEY_BLOCK + 7, 2 * KEY_BLOCK + 1])
-def test_kernel_computes_attention_over_the_slots_each_row_sees(length: int) -> None:
-    keys, values = cache(length)
+def test_kernel_computes_attention_over_the_slots_each_row_sees(length: int, dtype: torch.dtype) -> None:
+    keys, values = cache(length, dtype=dtype)
     parents = [-1, 0, 0, 1, 2][: KEY_BLOCK - length % KEY_BLOCK]
     mask, positions = tree_layout(length, parents)
     q = queries(1, len(parents))
     out = attention_kernel.attend(q, keys, values, *layout_of(mask, positions, length).tensors())
-    torch.testing.assert_close(out.double(), reference(q, keys, values, mask)[None], rtol=1e-5, atol=1e-5)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out.double(), reference(q, keys, values, mask)[None], rtol=tol, atol=tol)
 
 
-def test_a_row_computes_the_same_bits_in_any_pass() -> None:
-    """A chain row in a tree among decoy siblings, padded to 16 rows, against the one-row pass at
-    its position once its ancestors are committed at consecutive slots."""
-    length = KEY_BLOCK + 9
-    keys, values = cache(3)
-    parents = [-1, 0, 0, 1, 1, 3, 3]  # chain 0 -> 1 -> 3 -> 5, decoys 2, 4, 6
-    chain = [0, 1, 3, 5]
+# a chain 0 -> 1 -> 3 -> 5 among decoy siblings; a 3-row tree; a wide tree of 24 nodes (5 tasks of AMX rows)
+TREES = [
+    ([-1, 0, 0, 1, 1, 3, 3], [0, 1, 3, 5]),
+    ([-1, 0, 0], [0, 2]),
+    ([-1, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 6, 7, 8, 8, 9, 10, 11, 12, 13, 14, 15, 16], [0, 1, 4, 10, 17]),
+]
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("length", [KEY_BLOCK + 9, 2 * KEY_BLOCK - 10, 2 * KEY_BLOCK + 31])
+@pytest.mark.parametrize(("parents", "chain"), TREES)
+def test_a_row_computes_the_same_bits_in_any_pass(
+    length: int, dtype: torch.dtype, parents: list[int], chain: list[int]
+) -> None:
+    """A chain row in a tree among decoy siblings, padded to 32 rows, against the one-row pass at
+    its position once its ancestors are committed at consecutive slots (prefixes that end inside and at
+    the edge of the AMX build's tiles of 32 keys)."""
+    keys, values = cache(3, dtype=dtype)
     mask, positions = tree_layout(length, parents)
-    q = queries(4, 16)  # rows past the tree's are padding
-    tree = attention_kernel.attend(q, keys, values, *layout_of(mask, positions, length, rows=16).tensors())
+    q = queries(4, 32)  # rows past the tree's are padding
+    tree = attention_kernel.attend(q, keys, values, *layout_of(mask, positions, length, rows=32).tensors())
     committed_keys, committed_values = keys.clone(), values.clone()
     for depth, node in enumerate(chain):  # commit: the chain's entries move to consecutive slots
         committed_keys[:, :, length + depth] = keys[:, :, length + node]
@@ -97,10 +121,11 @@ def test_a_row_computes_the_same_bits_in_any_pass() -> None:
         assert torch.equal(tree[:, :, node], one_row[:, :, 0]), (node, depth)
 
 
-def test_a_sequence_computes_the_same_bits_alone_and_batched() -> None:
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_a_sequence_computes_the_same_bits_alone_and_batched(dtype: torch.dtype) -> None:
     """Two sequences of different lengths in one pass (the shorter one's head padded) against each
     alone, and on one thread against all threads."""
-    keys, values = cache(5, sequences=2)
+    keys, values = cache(5, sequences=2, dtype=dtype)
     lengths = (KEY_BLOCK + 3, 2 * KEY_BLOCK + 10)
     parents = [-1, 0, 0]
     q = queries(6, len(parents), sequences=2)
@@ -127,6 +152,7 @@ def test_a_sequence_computes_the_same_bits_alone_and_batched() -> None:
     assert torch.equal(one_thread, together)
 
 
+@pytest.mark.skipif(AMX, reason="the AMX build takes bf16 caches through bf16 tiles (test_the_amx_build_...)")
 def test_a_bf16_cache_gives_the_bits_of_the_same_numbers_in_fp32() -> None:
     """bf16 entries are widened exactly as they are loaded: a tree pass and a one-row pass over a
     bf16 cache equal the same passes over its values held in fp32, bit for bit."""
@@ -142,11 +168,12 @@ def test_a_bf16_cache_gives_the_bits_of_the_same_numbers_in_fp32() -> None:
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_padding_rows_see_one_slot() -> None:
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_padding_rows_see_one_slot(dtype: torch.dtype) -> None:
     """A pass padded past its rows: the padding rows see tail position 0 alone (not the head), and
     the real rows are computed as without padding."""
     length = KEY_BLOCK + 20
-    keys, values = cache(15)
+    keys, values = cache(15, dtype=dtype)
     mask, positions = tree_layout(length, [-1, 0])
     q = queries(16, 8)
     padded = layout_of(mask, positions, length, rows=8)
@@ -156,7 +183,7 @@ def test_padding_rows_see_one_slot() -> None:
     out = attention_kernel.attend(q, keys, values, *padded.tensors())
     alone = attention_kernel.attend(q[:, :, :2], keys, values, *layout_of(mask, positions, length).tensors())
     assert torch.equal(out[:, :, :2], alone)
-    first_tail = values[0, :, KEY_BLOCK].repeat_interleave(HEADS // KV_HEADS, dim=0)  # slot T: tail position 0
+    first_tail = values[0, :, KEY_BLOCK].float().repeat_interleave(HEADS // KV_HEADS, dim=0)  # slot T: tail position 0
     torch.testing.assert_close(out[0, :, 2:], first_tail[:, None].expand(HEADS, 6, HEAD_DIM))
 
 
@@ -203,22 +230,48 @@ def build_cases() -> list[tuple[torch.Tensor, ...]]:
     return cases
 
 
-@pytest.mark.skipif(attention_kernel.build_flags() == attention_kernel.FLAGS, reason="needs a CPU with AVX-512")
+def run_build(build: str, cases: Path, tmp_path: Path) -> list[torch.Tensor]:
+    """The outputs of the build ``build`` names (``CAUSALDRAFT_ATTENTION_KERNEL``) on ``cases``, in a child process."""
+    path = tmp_path / f"{build}.pt"
+    environment = {**os.environ, attention_kernel.SWITCH: build}
+    command = [sys.executable, "-c", RUN_CASES, str(cases), str(path)]
+    root = Path(__file__).parent.parent
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(path)
+
+
+def has_cpu_flags(flags: tuple[str, ...]) -> bool:
+    return all(flag in attention_kernel.cpu_flags() for flag in flags)
+
+
+@pytest.mark.skipif(not has_cpu_flags(attention_kernel.AVX512_CPU_FLAGS), reason="needs a CPU with AVX-512")
 def test_the_avx512_build_gives_the_avx2_builds_bits(tmp_path: Path) -> None:
     """One task per kv head, 16 lanes and eight horizontal sums at once compute the AVX2 build's bits
-    (the builds run in two processes: ``CAUSALDRAFT_ATTENTION_KERNEL=avx2`` picks the AVX2 one)."""
+    (the builds run in two processes: ``CAUSALDRAFT_ATTENTION_KERNEL`` picks each)."""
     cases = tmp_path / "cases.pt"
     torch.save(build_cases(), cases)
-    results = []
-    for build in ("avx2", ""):
-        path = tmp_path / f"{build or 'avx512'}.pt"
-        environment = {**os.environ, attention_kernel.SWITCH: build}
-        command = [sys.executable, "-c", RUN_CASES, str(cases), str(path)]
-        root = Path(__file__).parent.parent
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=root)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results.append(torch.load(path))
-    avx2, avx512 = results
+    avx2, avx512 = (run_build(build, cases, tmp_path) for build in ("avx2", "avx512"))
     assert len(avx2) == len(avx512) == 48
     for one, other in zip(avx2, avx512, strict=True):
         assert torch.equal(one, other)
+
+
+@pytest.mark.skipif(not has_cpu_flags(attention_kernel.AMX_CPU_FLAGS), reason="needs a CPU with AMX bf16")
+def test_the_amx_build_changes_only_bf16_caches_of_head_size_64(tmp_path: Path) -> None:
+    """The AMX build gives the AVX-512 build's bits for every fp32 cache and other head sizes; bf16 caches of
+    head size 64 go through bf16 tiles, within bf16 rounding of the AVX-512 build's fp32 arithmetic."""
+    built = build_cases()
+    cases = tmp_path / "cases.pt"
+    torch.save(built, cases)
+    avx512, amx = (run_build(build, cases, tmp_path) for build in ("avx512", "amx"))
+    tiles = 0
+    for case, one, other in zip(built, avx512, amx, strict=True):
+        q, keys, values, seen, tail_slots = case
+        if keys.dtype == torch.bfloat16 and q.shape[-1] == 64:
+            tiles += 1
+            assert not torch.equal(one, other)  # the other arithmetic ran
+            torch.testing.assert_close(other, one, rtol=3e-2, atol=3e-2)
+        else:
+            assert torch.equal(one, other)
+    assert tiles == 8

@@ -26,6 +26,7 @@ from causaldraft.models.products import (
 )
 from tests.test_eagle3 import AUX, layer_dir
 from tests.test_heads import random_heads_dir
+from tests.tiny import save_tiny_llama
 
 LOW_PRECISION = ["bfloat16", "int8", "int4"]
 # prefix lengths: no head block, a pass that ends right at a block's end, one and two head blocks
@@ -100,6 +101,33 @@ def test_eager_tree_rows_equal_one_row_passes_layer_by_layer(
     backend = backend_of(models[dtype])
     layers = tuple(range(backend.llama_shape.num_layers + 1))  # every layer's input, and the last output
     assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    """The tiny Llama with heads of 64 (3 query heads per kv head, as the default model): the head size whose
+    bf16 caches the AMX build of the attention kernel takes through tiles (docs/exactness.md)."""
+    directory = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-64"), hidden_size=192, num_attention_heads=3,
+                                num_key_value_heads=1)  # fmt: skip
+    return {dtype: load_model(str(directory), "native", dtype) for dtype in ("bfloat16", "int4")}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+@pytest.mark.parametrize("prefix", [*PREFIXES, KEY_BLOCK + 31, 2 * KEY_BLOCK + 33])
+def test_tree_rows_equal_one_row_passes_with_heads_of_64(
+    wide_heads: dict[str, LoadedModel], dtype: str, prefix: int
+) -> None:
+    backend = backend_of(wide_heads[dtype])
+    assert backend.llama_shape.head_dim == 64
+    layers = tuple(range(backend.llama_shape.num_layers + 1))
+    assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "eagle3"])
+def test_greedy_speculative_output_is_plain_decoding_with_heads_of_64(
+    wide_heads: dict[str, LoadedModel], tmp_path: Path, drafter: str
+) -> None:
+    assert_speculation_is_plain_decoding(wide_heads["bfloat16"], tmp_path, drafter, "dynamic", max_new_tokens=80)
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)

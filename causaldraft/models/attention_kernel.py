@@ -18,24 +18,26 @@ On the AVX-512 machine of stop 27 (2 cores, bf16 cache, 448 cached positions, 30
 after a cache flush) torch's ops compiled by inductor took 5.9 / 4.5 / 4.8 / 6.3 ms per pass of
 2 / 4 / 8 / 16 rows, this kernel 1.3 / 1.8 / 3.2 / 6.1 ms (``runs/`` scratch script, not kept).
 
-Two builds of the same arithmetic (the source's header): AVX2 (a task per query head and row) and, where
+Two builds of the same fp32 arithmetic (the source's header): AVX2 (a task per query head and row) and, where
 the CPU has AVX-512F, AVX-512 (a task per kv head and row, each key and value widened once for the
 heads that share it, 16 lanes, eight horizontal sums at once). They give the same bits (a test runs
 both). On that machine, 30 layers of 9 heads over a bf16 cache of 448 positions (cache-warm, median of
 25), ms for 1 / 2 / 4 / 8 / 16 / 32 rows: AVX2 build 0.51 / 0.79 / 1.48 / 2.77 / 5.42 / 10.69, AVX-512
 build 0.35 / 0.48 / 0.81 / 1.47 / 2.83 / 5.73.
 
-Extra rows cost their own arithmetic: on the Intel Xeon with AMX of stop 45 (1,024 positions, bf16 cache) 0.91 /
-2.62 / 10.12 / 21.30 ms for 1 / 4 / 16 / 32 rows, about half of a 32-row bf16 verify pass there. A build with bf16
-products (``vdpbf16ps`` for q . k and for the weighted values; q and the weights rounded to bf16) was only 1.13x
-faster at 32 rows and not at one: that CPU issues it half as often as the fp32 multiply-add (docs/results/history.md,
-stop 45, for what would pay instead).
+The AMX build (since stop 45, where the CPU has AMX bf16 tiles; ``avx512`` forces the build above): bf16 caches
+of head size 64 through tiles, a task per kv head and up to 16 / group rows (another arithmetic: the query and the
+weights rounded to bf16; as row-invariant, docs/exactness.md "The AMX build"). 1 / 4 / 16 / 32 rows over 1,024
+positions: 0.80 / 1.30 / 3.84 / 7.17 ms against the AVX-512 build's 0.91 / 2.62 / 10.12 / 21.30.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import platform
+import sys
 
 import torch
 
@@ -47,7 +49,12 @@ FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma")
 CPU_FLAGS = ("avx2", "fma")
 AVX512_FLAGS = (*FLAGS, "-mavx512f")  # the same arithmetic, a task per kv head (attention.cpp's header)
 AVX512_CPU_FLAGS = (*CPU_FLAGS, "avx512f")
-SWITCH = "CAUSALDRAFT_ATTENTION_KERNEL"  # "torch": attention in torch's ops; "avx2": the AVX2 build everywhere
+# the AVX-512 build plus AMX tiles for bf16 caches of head size 64 (attention.cpp: "The AMX build")
+AMX_FLAGS = (*AVX512_FLAGS, "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+AMX_CPU_FLAGS = (*AVX512_CPU_FLAGS, "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
+# "torch": attention in torch's ops; "avx2" / "avx512" / "amx": that build where the CPU runs it (unset: the best)
+SWITCH = "CAUSALDRAFT_ATTENTION_KERNEL"
+ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux: the AMX tile data permission
 
 
 def wanted() -> bool:
@@ -55,10 +62,29 @@ def wanted() -> bool:
     return os.environ.get(SWITCH, "").lower() != "torch" and all(flag in cpu_flags() for flag in CPU_FLAGS)
 
 
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX tile data (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``, the
+    request the AMX build makes before its first tile): False elsewhere, or where the kernel refuses."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def build_flags() -> tuple[str, ...]:
-    """The AVX-512 build where the CPU has it and the switch is not ``avx2``; else the AVX2 build."""
-    avx512 = all(flag in cpu_flags() for flag in AVX512_CPU_FLAGS)
-    return AVX512_FLAGS if avx512 and os.environ.get(SWITCH, "").lower() != "avx2" else FLAGS
+    """The build the switch names, else the best the CPU runs: AMX, AVX-512, AVX2 (where the CPU lacks the
+    named build, or Linux refuses AMX tiles: the next one down)."""
+    switch = os.environ.get(SWITCH, "").lower()
+    flags = cpu_flags()
+    if switch not in ("avx2", "avx512") and all(flag in flags for flag in AMX_CPU_FLAGS) and amx_permitted():
+        return AMX_FLAGS
+    if switch != "avx2" and all(flag in flags for flag in AVX512_CPU_FLAGS):
+        return AVX512_FLAGS
+    return FLAGS
 
 
 @functools.cache

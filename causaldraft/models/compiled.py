@@ -125,8 +125,11 @@ def code_digest(kernels: bool) -> str:
         digest.update(ast.dump(without_docstrings(ast.parse(inspect.getsource(module)))).encode())
     for source in int4_kernel.SOURCES if kernels else ():
         digest.update(source.read_bytes())
-    # blocked attention: the kernel's source where the graphs call it, else torch's ops
-    digest.update(attention_kernel.SOURCE.read_bytes() if attention_kernel.available() else b"torch attention")
+    # blocked attention: the kernel's source and build (its arithmetic) where the graphs call it, else torch's ops
+    if attention_kernel.available():
+        digest.update(attention_kernel.SOURCE.read_bytes() + " ".join(attention_kernel.build_flags()).encode())
+    else:
+        digest.update(b"torch attention")
     return digest.hexdigest()[:16]
 
 

@@ -24,11 +24,14 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -285,6 +288,276 @@ void attend_heads(int64_t hd, int64_t heads, const float* q, int64_t q_stride, c
 }
 #endif
 
+#ifdef __AMX_BF16__
+// The AMX build (compiled where __AMX_BF16__ is defined) for bf16 caches of hd = 64: another arithmetic, the
+// same for every row, pass, batch and thread count. A task is a kv head and up to 16 / group rows: its queries
+// (rows x the heads sharing the kv head, at most 16) are the columns of one tile. Per row and head:
+//   s_j = (bf16(q) . k_j) * scale, the products of bf16 pairs summed by TDPBF16PS over dims 0-31 and then 32-63
+//     into a zeroed fp32 tile, keys in tiles of 16 from slot 0;
+//   m = max s_j; e_j = bf16(exp(s_j - m)) (exp_nonpositive16; rounded to bf16, nearest even); z = sum_j e_j in
+//     slot order, fp32;
+//   out = (sum_j e_j v_j) / z, TDPBF16PS over keys in tiles of 32 from slot 0, each tile added to the fp32 totals.
+// A tile's element depends on its row of A and column of B alone (not on its position in the tile nor on the
+// other rows: checked on this instruction, and by tests/test_attention_kernel.py through the kernel), so a row's
+// bits are those of its one-row pass. The slots the task's rows share with its first row (a tree's prefix: whole
+// tiles of 32) are computed once for all of them; each row's other slots (its ancestors in the tree, the end of
+// its prefix) are gathered into tiles of its own, where the other rows' weights are zero (adding a zero tile
+// leaves a total as it is). Against the fp32 arithmetic it rounds q and the weights to bf16, as transformers'
+// bf16 attention does.
+namespace amx {
+
+constexpr int64_t HD = 64;
+constexpr int64_t QUERIES = 16;  // queries of a task: the columns of a score tile, the rows of a weight tile
+constexpr int64_t KEYS = 16;     // keys of a score tile
+constexpr int64_t CHUNK = 32;    // keys of a value tile (16 pairs)
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+inline bool permitted() {  // the process's permission to use AMX tile data (Linux, once per process)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+inline void configure() {  // eight tiles of 16 rows x 64 bytes, on this thread
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+struct Row {
+  const float* q;  // head g of the task's kv head at q + g * q_stride
+  float* out;
+  const int64_t* slots;
+  int64_t count;
+  int64_t shared;  // first slots shared with the task's first row (a multiple of CHUNK)
+};
+
+struct Scratch {
+  uint16_t* queries;   // [2][16][16][2]: q^T as B tiles (dims 0-31, 32-63; pair rows x queries)
+  uint16_t* keys;      // [KEYS][HD] gathered keys
+  float* tile;         // [16][16] one score tile
+  float* scores;       // [QUERIES][stride] scores (times scale)
+  uint16_t* weights;   // [QUERIES][stride] the weights e_j, bf16 (a value tile's A: 32 columns, row stride `stride`)
+  int64_t stride;      // >= a row's count rounded up to CHUNK, a multiple of 32
+  uint16_t* partial;   // [QUERIES][CHUNK] an A tile of some queries' weights (the others zero)
+  uint16_t* values;    // [4][16][16][2] a value tile's values (B, a tile per 16 dims; 64-byte aligned)
+  uint16_t* gathered;  // [CHUNK][HD] gathered values
+  float* totals;       // [4][QUERIES][16]
+};
+
+// 32 bf16 of x (dims 0-15) and y (16-31) word by word: (x0, y0, x1, y1, ...), for B tiles of value pairs
+inline __m512i interleave_words(__m256i x, __m256i y) {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(x), y, 1);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(order), both);
+}
+
+// a 16 x 16 fp32 matrix in 16 registers, transposed in place
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// scores of the 16 keys at `keys` (rows of HD) for queries [from, to), times scale, into their rows at `first`
+inline void score_tile(const c10::BFloat16* keys, const Scratch& scratch, int64_t first, int64_t from, int64_t to,
+                       float scale) {
+  _tile_zero(0);
+  _tile_loadd(1, keys, HD * 2);
+  _tile_loadd(2, keys + 32, HD * 2);
+  _tile_dpbf16ps(0, 1, 3);
+  _tile_dpbf16ps(0, 2, 4);
+  _tile_stored(0, scratch.tile, 64);  // [key][query]
+  __m512 rows[16];
+  for (int k = 0; k < 16; ++k) rows[k] = _mm512_loadu_ps(scratch.tile + 16 * k);
+  transpose16(rows);  // [query][key]
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t n = from; n < to; ++n) {
+    _mm512_storeu_ps(scratch.scores + n * scratch.stride + first, _mm512_mul_ps(rows[n], scale16));
+  }
+}
+
+// add a tile of 32 keys' values (rows of HD at `values`) weighted by the A tile at `weights` (row stride in
+// bytes) to the totals (tiles 4-7, 16 dims each)
+inline void add_value_tile(const c10::BFloat16* values, const uint16_t* weights, int64_t weight_stride,
+                           const Scratch& scratch) {
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(values);
+  for (int64_t r = 0; r < 16; ++r) {
+    const uint16_t* first = base + 2 * r * HD;
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 16 * c));
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + HD + 16 * c));
+      _mm512_store_si512(scratch.values + (c * 16 + r) * 32, interleave_words(x, y));
+    }
+  }
+  _tile_loadd(0, weights, weight_stride);
+  _tile_loadd(1, scratch.values, 64);
+  _tile_dpbf16ps(4, 0, 1);
+  _tile_loadd(1, scratch.values + 16 * 32, 64);
+  _tile_dpbf16ps(5, 0, 1);
+  _tile_loadd(1, scratch.values + 32 * 32, 64);
+  _tile_dpbf16ps(6, 0, 1);
+  _tile_loadd(1, scratch.values + 48 * 32, 64);
+  _tile_dpbf16ps(7, 0, 1);
+}
+
+// an A tile of the weights of keys first .. first + CHUNK for the queries `takes` marks (the others zero)
+inline const uint16_t* partial_weights(const Scratch& scratch, int64_t first, const bool* takes) {
+  for (int64_t n = 0; n < QUERIES; ++n) {
+    if (takes[n]) {
+      std::memcpy(scratch.partial + n * CHUNK, scratch.weights + n * scratch.stride + first, CHUNK * 2);
+    } else {
+      std::memset(scratch.partial + n * CHUNK, 0, CHUNK * 2);
+    }
+  }
+  return scratch.partial;
+}
+
+inline void gather(const c10::BFloat16* entries, const int64_t* slots, int64_t from, int64_t count, int64_t size,
+                   uint16_t* into) {
+  for (int64_t k = 0; k < size; ++k) {
+    if (from + k < count) {
+      std::memcpy(into + k * HD, entries + slots[from + k] * HD, HD * 2);
+    } else {
+      std::memset(into + k * HD, 0, HD * 2);
+    }
+  }
+}
+
+inline bool contiguous(const int64_t* slots, int64_t from, int64_t size) {
+  return slots[from + size - 1] - slots[from] == size - 1;
+}
+
+void attend_task(const Row* rows, int64_t count_rows, int64_t group, int64_t q_stride, const c10::BFloat16* keys,
+                 const c10::BFloat16* values, float scale, const Scratch& scratch) {
+  const int64_t queries = count_rows * group;
+  // q^T in B tiles: pair row r of half h holds dims 32 h + 2 r, + 1 of each query
+  std::memset(scratch.queries, 0, 2 * 16 * 32 * 2);
+  for (int64_t n = 0; n < queries; ++n) {
+    const float* q = rows[n / group].q + (n % group) * q_stride;
+    for (int64_t h = 0; h < 2; ++h) {
+      alignas(64) uint32_t pairs[16];
+      const __m512bh rounded = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * h + 16), _mm512_loadu_ps(q + 32 * h));
+      _mm512_store_si512(pairs, (__m512i)rounded);
+      uint32_t* half = reinterpret_cast<uint32_t*>(scratch.queries) + h * 16 * 16;
+      for (int64_t r = 0; r < 16; ++r) half[r * 16 + n] = pairs[r];
+    }
+  }
+  _tile_loadd(3, scratch.queries, 64);
+  _tile_loadd(4, scratch.queries + 16 * 32, 64);
+  int64_t shared = 0;
+  for (int64_t i = 0; i < count_rows; ++i) shared = std::max(shared, rows[i].shared);
+  // scores: the shared slots for every query, then each row's own
+  for (int64_t first = 0; first < shared; first += KEYS) {
+    const c10::BFloat16* at = keys + rows[0].slots[first] * HD;
+    if (!contiguous(rows[0].slots, first, KEYS)) {
+      gather(keys, rows[0].slots, first, first + KEYS, KEYS, scratch.keys);
+      at = reinterpret_cast<const c10::BFloat16*>(scratch.keys);
+    }
+    score_tile(at, scratch, first, 0, queries, scale);
+  }
+  for (int64_t i = 0; i < count_rows; ++i) {
+    const Row& row = rows[i];
+    for (int64_t first = row.shared; first < row.count; first += KEYS) {
+      gather(keys, row.slots, first, row.count, KEYS, scratch.keys);
+      score_tile(reinterpret_cast<const c10::BFloat16*>(scratch.keys), scratch, first, i * group, (i + 1) * group,
+                 scale);
+    }
+  }
+  // softmax per query, lanes = keys: -inf past the row's count up to a whole value tile (weights 0 there)
+  alignas(64) float inverse[QUERIES];
+  for (int64_t n = 0; n < queries; ++n) {
+    const int64_t count = rows[n / group].count, span = (count + CHUNK - 1) / CHUNK * CHUNK;
+    float* scores = scratch.scores + n * scratch.stride;
+    uint16_t* weights = scratch.weights + n * scratch.stride;
+    for (int64_t j = count; j < span; ++j) scores[j] = -INFINITY;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < span; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + j));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; j += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift));
+      const __m256i words = (__m256i)_mm512_cvtneps_pbh(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j), words);
+      sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16)));
+    }
+    inverse[n] = 1.0f / _mm512_reduce_add_ps(sums);
+  }
+  // values: the shared tiles for every query that shares them, then each row's own
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  bool takes[QUERIES];
+  for (int64_t first = 0; first < shared; first += CHUNK) {
+    bool all = true;
+    for (int64_t n = 0; n < QUERIES; ++n) {
+      takes[n] = n < queries && rows[n / group].shared > first;
+      all = all && (takes[n] || n >= queries);
+    }
+    const uint16_t* weights = all ? scratch.weights + first : partial_weights(scratch, first, takes);
+    const int64_t weight_stride = all ? scratch.stride * 2 : CHUNK * 2;
+    const c10::BFloat16* at = values + rows[0].slots[first] * HD;
+    if (!contiguous(rows[0].slots, first, CHUNK)) {
+      gather(values, rows[0].slots, first, first + CHUNK, CHUNK, scratch.gathered);
+      at = reinterpret_cast<const c10::BFloat16*>(scratch.gathered);
+    }
+    add_value_tile(at, weights, weight_stride, scratch);
+  }
+  for (int64_t i = 0; i < count_rows; ++i) {
+    const Row& row = rows[i];
+    for (int64_t n = 0; n < QUERIES; ++n) takes[n] = n / group == i && n < queries;
+    for (int64_t first = row.shared; first < row.count; first += CHUNK) {
+      gather(values, row.slots, first, row.count, CHUNK, scratch.gathered);
+      add_value_tile(reinterpret_cast<const c10::BFloat16*>(scratch.gathered), partial_weights(scratch, first, takes),
+                     CHUNK * 2, scratch);
+    }
+  }
+  _tile_stored(4, scratch.totals, 64);
+  _tile_stored(5, scratch.totals + 256, 64);
+  _tile_stored(6, scratch.totals + 512, 64);
+  _tile_stored(7, scratch.totals + 768, 64);
+  for (int64_t n = 0; n < queries; ++n) {
+    float* out = rows[n / group].out + (n % group) * q_stride;
+    const __m512 factor = _mm512_set1_ps(inverse[n]);
+    for (int64_t c = 0; c < 4; ++c) {
+      _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(scratch.totals + c * 256 + n * 16), factor));
+    }
+  }
+}
+
+}  // namespace amx
+#endif
+
 // The slots row r of sequence s sees, in position order, into `slots`; their count.
 inline int64_t row_slots(const bool* row_seen, const int64_t* row_tail, int64_t head, int64_t tail, int64_t* slots) {
   int64_t count = 0;
@@ -326,6 +599,52 @@ at::Tensor attend_blocked_rows(const at::Tensor& q, const at::Tensor& keys, cons
   const int64_t* tail_data = tail_slots.data_ptr<int64_t>();
   float* result = out.data_ptr<float>();
   const bool half = keys.scalar_type() == at::kBFloat16;
+#ifdef __AMX_BF16__
+  if (half && hd == amx::HD && group <= amx::QUERIES) {
+    TORCH_CHECK(amx::permitted(), "attend: this process may not use AMX tiles (CAUSALDRAFT_ATTENTION_KERNEL=avx512 "
+                "picks the AVX-512 build)");
+    const int64_t task_rows = amx::QUERIES / group;
+    const int64_t blocks = (n + task_rows - 1) / task_rows;
+    at::parallel_for(0, sequences * kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+      amx::configure();
+      std::vector<int64_t> slots(task_rows * width);
+      const int64_t stride = (width + 2 * amx::CHUNK) / 32 * 32;
+      std::vector<uint16_t> queries(2 * 16 * 32), gathered_keys(amx::KEYS * amx::HD), weights(amx::QUERIES * stride);
+      std::vector<uint16_t> partial(amx::QUERIES * amx::CHUNK), value_tiles(4 * 16 * 32 + 32);
+      std::vector<uint16_t> gathered_values(amx::CHUNK * amx::HD);
+      std::vector<float> scores(amx::QUERIES * stride), tile(16 * 16), totals(4 * 16 * 16);
+      uint16_t* aligned_values =  // the value tiles are written with aligned stores
+          reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(value_tiles.data()) + 63) & ~uintptr_t{63});
+      const amx::Scratch scratch{queries.data(), gathered_keys.data(), tile.data(),   scores.data(),
+                                 weights.data(), stride,               partial.data(), aligned_values,
+                                 gathered_values.data(), totals.data()};
+      std::vector<amx::Row> rows(task_rows);
+      const c10::BFloat16* key_data = reinterpret_cast<const c10::BFloat16*>(keys.data_ptr<at::BFloat16>());
+      const c10::BFloat16* value_data = reinterpret_cast<const c10::BFloat16*>(values.data_ptr<at::BFloat16>());
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / (kv_heads * blocks), kv = task / blocks % kv_heads, block = task % blocks;
+        const int64_t first_row = block * task_rows, count_rows = std::min(task_rows, n - first_row);
+        for (int64_t i = 0; i < count_rows; ++i) {
+          const int64_t r = first_row + i;
+          int64_t* own = slots.data() + i * width;
+          const int64_t count = row_slots(seen_data + (s * n + r) * width, tail_data + (s * n + r) * tail, head, tail, own);
+          int64_t common = count;  // the first row's own count; another row's: the slots it shares with the first
+          if (i > 0) {
+            const int64_t most = std::min(count, rows[0].count);
+            common = 0;
+            while (common < most && own[common] == rows[0].slots[common]) ++common;
+          }
+          const int64_t at = ((s * heads + kv * group) * n + r) * hd;
+          rows[i] = amx::Row{qs + at, result + at, own, count, common / amx::CHUNK * amx::CHUNK};
+        }
+        amx::attend_task(rows.data(), count_rows, group, n * hd, key_data + s * keys.stride(0) + kv * keys.stride(1),
+                         value_data + s * values.stride(0) + kv * values.stride(1), scale, scratch);
+      }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
 #ifdef __AVX512F__
   const int64_t chunk = std::min({group, MAX_CHUNK, MAX_GROUP_LANES / (hd / 16)});  // heads per attend_group call
   at::parallel_for(0, sequences * kv_heads * n, 1, [&](int64_t begin, int64_t end) {

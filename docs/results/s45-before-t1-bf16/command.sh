@@ -1,0 +1,4 @@
+#!/bin/bash
+# stop 45: the command (code of stop 44, b1d765b; nothing else running)
+cd /work/main
+.venv/bin/causaldraft bench --prompts bench/prompts/mt-bench-8.jsonl --compile --max-new-tokens 256 --no-progress --methods ar,eagle3:dynamic,markov:dynamic --dtype bfloat16 --temperature 1 --seed 0 --out runs/s45/final-t1-bf16

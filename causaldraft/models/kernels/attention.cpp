@@ -18,7 +18,8 @@
 // for all of them, holds lanes 0-7 and 8-15 of the AVX2 build's two dot-product accumulators in one 16-lane
 // register, and does eight keys' horizontal sums at once in the AVX2 build's order (sum8). Every lane
 // sees the same operations in the same order as in the AVX2 build, so both builds give the same bits
-// (tests/test_attention_kernel.py checks it).
+// (tests/test_attention_kernel.py checks it). A third build, for bf16 caches of head size 64 where the CPU has
+// AMX, has an arithmetic of its own (namespace amx below), as row-invariant.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

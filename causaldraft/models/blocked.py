@@ -158,8 +158,8 @@ def attend_blocked(
 ) -> torch.Tensor:
     """Grouped-query attention of n rows per sequence in the blocked layout: [S, nh, n, hd]
     (scores fp32). Sequences never see each other's keys. Attention over an fp32 or bf16 cache runs in
-    ``attention_kernel`` where it is built (one task per row and head, fp32 arithmetic, the same for
-    any row count); the rest of this function is the torch ops' version."""
+    ``attention_kernel`` where it is built (each row's arithmetic the same for any row count: fp32, or AMX tiles
+    for bf16 caches of head size 64); the rest of this function is the torch ops' version."""
     if keys.dtype in (torch.float32, torch.bfloat16) and attention_kernel.available():
         return attention_kernel.attend(q, keys, values, *layout.tensors()).to(q.dtype)
     sequences, heads, n, hd = q.shape

@@ -23,7 +23,7 @@ KV_HEADS, HEADS, HEAD_DIM, CAPACITY = 2, 6, 64, 3 * KEY_BLOCK
 
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16]  # bf16 caches of head size 64 run the AMX build where it is built
-AMX = attention_kernel.build_flags() == attention_kernel.AMX_FLAGS
+AMX = attention_kernel.loaded_flags() == attention_kernel.AMX_FLAGS
 
 
 def cache(seed: int, sequences: int = 1, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,3 +275,17 @@ def test_the_amx_build_changes_only_bf16_caches_of_head_size_64(tmp_path: Path) 
         else:
             assert torch.equal(one, other)
     assert tiles == 8
+
+
+def test_a_build_that_fails_gives_way_to_the_next_one_down() -> None:
+    """A compiler that cannot build AMX code (GCC before 11) still gets the AVX-512 build, not torch's ops."""
+    builds = attention_kernel.BUILDS
+    tried: list[tuple[str, ...]] = []
+
+    def load(flags: tuple[str, ...]) -> bool:
+        tried.append(flags)
+        return flags != attention_kernel.AMX_FLAGS
+
+    assert attention_kernel.first_build(builds, load) == attention_kernel.AVX512_FLAGS
+    assert tried == [attention_kernel.AMX_FLAGS, attention_kernel.AVX512_FLAGS]
+    assert attention_kernel.first_build(builds, lambda flags: False) is None

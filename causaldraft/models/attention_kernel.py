@@ -38,6 +38,7 @@ import functools
 import os
 import platform
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -87,13 +88,40 @@ def build_flags() -> tuple[str, ...]:
     return FLAGS
 
 
+BUILDS = (AMX_FLAGS, AVX512_FLAGS, FLAGS)  # best first
+NAMES = {AMX_FLAGS: "AMX", AVX512_FLAGS: "AVX-512", FLAGS: "AVX2"}
+
+
+Build = tuple[str, ...]  # a build's compiler flags
+
+
+def first_build(choices: tuple[Build, ...], load: Callable[[Build], bool]) -> Build | None:
+    """The first of ``choices`` that ``load`` builds and loads, trying them in order, or None."""
+    return next((flags for flags in choices if load(flags)), None)
+
+
 @functools.cache
+def loaded_flags() -> tuple[str, ...] | None:
+    """The build loaded into this process (built first when needed): ``build_flags``' choice, else the next one
+    down (a compiler too old for AMX code still builds the AVX-512 one); None where none loads."""
+    if not wanted():
+        return None
+    choices = BUILDS[BUILDS.index(build_flags()) :]
+
+    def load(flags: tuple[str, ...]) -> bool:
+        below = choices.index(flags) + 1
+        instead = f"the {NAMES[choices[below]]} build" if below < len(choices) else "torch's"
+        return load_source(f"attention ({NAMES[flags]} build)", SOURCE, flags, instead)
+
+    flags = first_build(choices, load)
+    if flags is not None:
+        torch.library.register_fake("causaldraft::attend_blocked")(shape_of_attention)
+    return flags
+
+
 def available() -> bool:
     """Whether ``torch.ops.causaldraft.attend_blocked`` is loaded (built first when needed)."""
-    if not wanted() or not load_source("attention", SOURCE, build_flags()):
-        return False
-    torch.library.register_fake("causaldraft::attend_blocked")(shape_of_attention)
-    return True
+    return loaded_flags() is not None
 
 
 def shape_of_attention(

@@ -126,10 +126,9 @@ def code_digest(kernels: bool) -> str:
     for source in int4_kernel.SOURCES if kernels else ():
         digest.update(source.read_bytes())
     # blocked attention: the kernel's source and build (its arithmetic) where the graphs call it, else torch's ops
-    if attention_kernel.available():
-        digest.update(attention_kernel.SOURCE.read_bytes() + " ".join(attention_kernel.build_flags()).encode())
-    else:
-        digest.update(b"torch attention")
+    flags = attention_kernel.loaded_flags()
+    build = b"torch attention" if flags is None else attention_kernel.SOURCE.read_bytes() + " ".join(flags).encode()
+    digest.update(build)
     return digest.hexdigest()[:16]
 
 

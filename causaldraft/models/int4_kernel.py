@@ -152,9 +152,9 @@ def source_digest(source: Path, flags: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def load_source(what: str, source: Path, flags: tuple[str, ...]) -> bool:
+def load_source(what: str, source: Path, flags: tuple[str, ...], instead: str = "torch's") -> bool:
     """Build ``source`` (once per machine, in ``$CAUSALDRAFT_HOME/kernels/<digest>``) and load its
-    operators into this process; False, with a message naming ``what`` falls back, when it fails."""
+    operators into this process; False, with a message naming ``what`` and what serves ``instead``, when it fails."""
     from torch.utils import cpp_extension
 
     from causaldraft.models.quant import notify
@@ -168,7 +168,7 @@ def load_source(what: str, source: Path, flags: tuple[str, ...]) -> bool:
             build_directory=str(directory), is_python_module=False, verbose=False,
         )  # fmt: skip
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel serves
-        notify(f"{what} kernel not built ({type(error).__name__}: {str(error).strip()[:200]}); using torch's")
+        notify(f"{what} kernel not built ({type(error).__name__}: {str(error).strip()[:200]}); using {instead}")
         return False
     return True
 

@@ -22,19 +22,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="int4")
-    parser.add_argument("--rows", default="1,2,4,8,16", help="new rows per pass")
-    parser.add_argument("--contexts", default="64,512,1024,2048", help="cached positions before the pass")
+    parser.add_argument("--rows", type=counts, default="1,2,4,8,16", help="new rows per pass")
+    parser.add_argument("--contexts", type=counts, default="64,512,1024,2048", help="cached positions before the pass")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    rows = [int(value) for value in args.rows.split(",")]
+    rows: list[int] = args.rows
     loaded = load_model(args.model, dtype=args.dtype)
     if not compile_backend(loaded, progress=True):
         print("(eager: this backend has no compiled graphs)")
     print("median ms per pass; columns: new rows")
     print("context  " + "  ".join(f"{n:>7d}" for n in rows))
-    for context in (int(value) for value in args.contexts.split(",")):
+    for context in args.contexts:
         times = [pass_ms(loaded.backend, context, n, args.repeats) for n in rows]
         print(f"{context:7d}  " + "  ".join(f"{ms:7.2f}" for ms in times), flush=True)
+
+
+def counts(text: str) -> list[int]:
+    """Comma-separated positive integers (argparse refuses anything else with its usage line)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"comma-separated positive integers, got {text!r}")
+    return values
 
 
 def pass_ms(backend: object, context: int, n: int, repeats: int) -> float:

@@ -84,6 +84,19 @@ def test_records_hold_each_value_where_the_layout_says() -> None:
         assert tail[16 + n % 16] == zeros[n, k // 32].to(torch.bfloat16).float()
 
 
+def test_records_in_quads_hold_each_value_where_the_layout_says() -> None:
+    """The VNNI build's order: channel n, input k of a record: piece (k % 32) // 8, byte 4 * (n % 16) + k % 4,
+    low nibble when (k % 8) < 4; scales and zeros as in the other order."""
+    values = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    scales, zeros = torch.rand(32, 2) + 0.5, torch.rand(32, 2) - 0.5
+    records = int4_kernel.pack_blocks(values, scales, zeros, quads=True)
+    assert torch.equal(records[..., 256:], int4_kernel.pack_blocks(values, scales, zeros)[..., 256:])
+    for n in range(32):
+        for k in range(64):
+            byte = int(records[n // 16, k // 32, 64 * ((k % 32) // 8) + 4 * (n % 16) + k % 4])
+            assert (byte & 15 if k % 8 < 4 else byte >> 4) == int(values[n, k]), (n, k)
+
+
 def test_pack_refuses_shapes_the_kernel_cannot_take() -> None:
     with pytest.raises(ValueError, match="out % 16"):
         int4_kernel.pack_blocks(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1))
@@ -150,12 +163,12 @@ def test_the_weight_seen_through_the_kernel_is_the_bf16_scaled_weight() -> None:
 
 @needs_kernel
 def test_every_row_is_computed_as_if_alone() -> None:
-    """Rows of a call of any size, at any place in it, give the bits of a one-row call (the
-    kernel processes rows 4, 2 and 1 at a time: all three paths are crossed)."""
+    """Rows of a call of any size, at any place in it, give the bits of a one-row call (the builds
+    take rows 8, 4, 3, 2 or 1 at a time: every path is crossed)."""
     linear = Int4Linear(weights(96, 576, seed=5), None)
-    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    alone = torch.cat([linear(x[i : i + 1]) for i in range(13)])
-    for start, stop in [(0, 13), (0, 4), (1, 3), (2, 9), (5, 12), (12, 13)]:
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(19)])
+    for start, stop in [(0, 19), (0, 13), (0, 4), (1, 3), (2, 9), (5, 12), (3, 19), (12, 13)]:
         assert torch.equal(linear(x[start:stop]), alone[start:stop]), (start, stop)
 
 

@@ -44,6 +44,11 @@ Value bytes: 8 chunks of 32 bytes; chunk c, byte j holds in its low nibble the v
 j // 2 at input 4c + j % 2, and in its high nibble that of the same channel at input 4c + 2 + j % 2.
 So a chunk widened to 32 16-bit words gives, through its low and then its high nibbles, the two
 operands of two bf16 dot-product steps (inputs 4c, 4c + 1 and 4c + 2, 4c + 3 of the 16 channels).
+The VNNI build reads its records with the value bytes in another order (``pack_blocks(..., quads=True)``,
+``Build.quads``, since stop 46): 4 pieces of 64 bytes; piece p, byte 4n + i holds in its low nibble the value of
+channel n at input 8p + i and in its high nibble that at input 8p + 4 + i. So a piece's low nibbles are the
+operand of one integer dot-product step over inputs 8p .. 8p + 3 of the 16 channels, its high nibbles that of
+the step over 8p + 4 .. 8p + 7, with no permutation. Records are packed at load, for the build loaded.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Build:
     int8_products: bool = False  # also defines ``causaldraft::int8_mm``
     bf16_products: bool = False  # also defines ``causaldraft::bf16_mm`` (in ``source``, or built from ``bf16_source``)
     int8_activations: bool = False  # int4_mm (and int8_mm) round activations as ``quantize_activations`` does
+    quads: bool = False  # records in ``pack_blocks``'s quads order
     bf16_source: Path | None = None  # ``bf16_mm`` built beside ``source`` (with ``BF16_FLAGS``)
 
     @property
@@ -88,15 +94,15 @@ class Build:
 BF16_SOURCE = KERNELS / "bf16_mm.cpp"
 # the AVX-512 bf16 build's flags too
 BF16_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+VNNI_FLAGS = ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+VNNI_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
 BUILDS = (
     Build(
         "avx512_bf16", KERNELS / "int4_mm.cpp", BF16_FLAGS,
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), bf16_products=True, bf16_source=BF16_SOURCE,
     ),
     Build(
-        "vnni", KERNELS / "int4_mm_vnni.cpp",
-        ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"), int8_activations=True,
+        "vnni", KERNELS / "int4_mm_vnni.cpp", VNNI_FLAGS, VNNI_CPU_FLAGS, int8_activations=True, quads=True,
         bf16_products=True, bf16_source=BF16_SOURCE,
     ),
     Build(
@@ -139,6 +145,12 @@ def build_for_cpu() -> Build | None:
     from causaldraft.models.kernel_choice import chosen_build
 
     return chosen_build(tuple(contenders))
+
+
+def records_in_quads() -> bool:
+    """Whether int4 records are packed in ``pack_blocks``'s quads order: the order the loaded build reads."""
+    build = build_for_cpu()
+    return build is not None and build.quads
 
 
 def cpu_supported() -> bool:
@@ -291,16 +303,22 @@ def shape_of_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0] * BLOCK))
 
 
-def pack_blocks(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def pack_blocks(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, quads: bool = False) -> torch.Tensor:
     """int4 weights (``values`` [out, in] in [0, 15], ``scales``/``zeros`` [out, in / 32]) -> the
-    kernel's records [out / 16, in / 32, 320] uint8 (layout: module docstring)."""
+    kernel's records [out / 16, in / 32, 320] uint8 (layout: module docstring; ``quads``: the VNNI
+    build's order of the 256 value bytes)."""
     out_features, in_features = values.shape
     if out_features % BLOCK or in_features % GROUP or scales.shape != (out_features, in_features // GROUP):
         raise ValueError(f"int4 blocks need out % {BLOCK} == 0 and in % {GROUP} == 0, got {tuple(values.shape)}")
     blocks, groups = out_features // BLOCK, in_features // GROUP
-    # [block, channel, group, chunk, half, parity] -> [block, group, chunk, half, channel * 2 + parity]
-    split = values.to(torch.uint8).reshape(blocks, BLOCK, groups, GROUP // 4, 2, 2)
-    words = split.permute(0, 2, 3, 4, 1, 5).reshape(blocks, groups, GROUP // 4, 2, 2 * BLOCK)
+    if quads:
+        # [block, channel, group, piece, half, input] -> [block, group, piece, half, channel * 4 + input]
+        split = values.to(torch.uint8).reshape(blocks, BLOCK, groups, GROUP // 8, 2, 4)
+        words = split.permute(0, 2, 3, 4, 1, 5).reshape(blocks, groups, GROUP // 8, 2, 4 * BLOCK)
+    else:
+        # [block, channel, group, chunk, half, parity] -> [block, group, chunk, half, channel * 2 + parity]
+        split = values.to(torch.uint8).reshape(blocks, BLOCK, groups, GROUP // 4, 2, 2)
+        words = split.permute(0, 2, 3, 4, 1, 5).reshape(blocks, groups, GROUP // 4, 2, 2 * BLOCK)
     nibbles = (words[:, :, :, 0] | (words[:, :, :, 1] << 4)).reshape(blocks, groups, BLOCK * GROUP // 2)
 
     def per_record(table: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [blocks, groups, 32] bytes

@@ -280,7 +280,9 @@ class Int4Linear(nn.Module):
         self.group_size = weights.group_size
         self.kernel = "blocks" if weights.group_size == int4_kernel.GROUP and int4_kernel.available() else "torch"
         if self.kernel == "blocks":
-            self.register_buffer("packed", int4_kernel.pack_blocks(weights.values, weights.scales, weights.zeros))
+            quads = int4_kernel.records_in_quads()
+            packed = int4_kernel.pack_blocks(weights.values, weights.scales, weights.zeros, quads=quads)
+            self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", None)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.values.to(torch.int32), 1)

@@ -1,18 +1,20 @@
 // int4 weight x int8 activation product for CPUs with AVX-512 VNNI (e.g. AMD Zen 4/5, Intel since Ice Lake), on
-// the same records as int4_mm.cpp and int4_mm_avx2.cpp (causaldraft/models/int4_kernel.py has the layout,
-// docs/int4-kernel.md the arithmetic). The AVX2 build's arithmetic, bit for bit (tested): each row's activations
-// are rounded to int8 per group of 32 inputs (d = amax / 127, xi = round(x / d), S = sum of xi), D = sum of
-// xi q over the group is an exact integer, and per channel total += float(D - 8 S) * (scale * d) + zero * (d * S)
-// in fp32, group by group in input order, rounded once to bf16.
+// records of the same size as int4_mm.cpp's and int4_mm_avx2.cpp's, with the value bytes in another order
+// (causaldraft/models/int4_kernel.py has the layouts, docs/int4-kernel.md the arithmetic). The AVX2 build's
+// arithmetic, bit for bit (tested): each row's activations are rounded to int8 per group of 32 inputs
+// (d = amax / 127, xi = round(x / d), S = sum of xi), D = sum of xi q over the group is an exact integer, and per
+// channel total += float(D - 8 S) * (scale * d) + zero * (d * S) in fp32, group by group in input order, rounded
+// once to bf16.
 //
-// How (stop 32): a chunk c of a record (32 bytes; byte 2n + p holds channel n's values at inputs 4c + p in its
-// low nibble and 4c + 2 + p in its high one) becomes, by one word permutation of its low and high nibbles
-// (vpermw), 16 lanes of 4 bytes: lane n = channel n's values at inputs 4c .. 4c + 3. One vpdpbusd per row then
-// adds each channel's 4 products with the row's xi[4c .. 4c + 3] (broadcast from memory) to its int32 D: 8
-// instructions per row and record, against 16 bf16 dot products and 16 broadcasts in the AVX-512 bf16 build
-// and 48 in the AVX2 build. A block's rows keep their fp32 totals in registers across its groups, 4 rows at a
-// time (a block's records, at most a few KB, are read again from cache for rows 5 and on). A row's
-// instructions do not depend on the call's other rows or threads: row-invariant (tested).
+// How (stop 32; the record order and the vector rounding since stop 46): a record's 256 value bytes are 4 pieces
+// of 64; piece p's low nibbles are 16 lanes of 4 bytes, lane n = channel n's values at inputs 8p .. 8p + 3, and
+// its high nibbles the same for inputs 8p + 4 .. 8p + 7 (one mask, or a shift and a mask, per 16 channels x 4
+// inputs). One vpdpbusd per row then adds each channel's 4 products with the row's 4 values xi (broadcast) to its
+// int32 D - 8 S (started at -8 S): 8 instructions per row and record, against 16 bf16 dot products and 16
+// broadcasts in the AVX-512 bf16 build and 48 in the AVX2 build. A block's rows keep their fp32 totals in
+// registers across its groups, 8 rows at a time (a block's records, at most a few KB, are read again from cache
+// for rows 9 and on). A row's instructions do not depend on the call's other rows or threads: row-invariant
+// (tested).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,10 +36,10 @@ constexpr int64_t kChunks = kGroup / 4;  // 32-byte chunks of a record, 4 inputs
 constexpr int64_t kNibbles = kBlock * kGroup / 2;  // bytes of int4 values per (block, group)
 constexpr int64_t kBytes = kNibbles + 4 * kBlock;  // + 16 bf16 scales + 16 bf16 zeros
 constexpr int64_t kAhead = 8;  // records prefetched ahead of the one being read
-constexpr int kRowsAtOnce = 4;  // rows whose totals stay in registers over a block's groups
+constexpr int kRowsAtOnce = 8;  // rows whose totals stay in registers over a block's groups
 constexpr int kLargest = 127;  // quantized activations lie in [-127, 127]
 
-// Rows' activations rounded per group as in the AVX2 build (the same scalar code): values [rows, in] in input
+// Rows' activations rounded per group as in the AVX2 build (the same bits): values [rows, in] in input
 // order; per (row, group) the step d, the sum S and d * S.
 struct QuantizedRows {
   std::vector<int8_t> values;
@@ -46,26 +48,34 @@ struct QuantizedRows {
   std::vector<float> step_sum;
 };
 
+inline __m512 bf16_to_fp32(const uint8_t* bytes) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
+// The AVX2 build's scalar rounding, 32 values at a time: the same bits (a maximum and integer sums are exact;
+// fp32 products are rounded to the nearest integer, ties to even, by the conversion as by nearbyint).
 void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t in_features, QuantizedRows& q) {
   const int64_t groups = in_features / kGroup;
   q.values.resize(rows * in_features);
   q.step.resize(rows * groups);
   q.sum.resize(rows * groups);
   q.step_sum.resize(rows * groups);
+  const __m512i largest = _mm512_set1_epi32(kLargest), smallest = _mm512_set1_epi32(-kLargest);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      const c10::BFloat16* in = x + m * in_features + g * kGroup;
-      float amax = 0.0f;
-      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(in[i])));
-      const float inverse = amax > 0.0f ? kLargest / amax : 0.0f;
+      const uint8_t* in = reinterpret_cast<const uint8_t*>(x + m * in_features + g * kGroup);
+      const __m512 low = bf16_to_fp32(in), high = bf16_to_fp32(in + 32);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? kLargest / amax : 0.0f);
+      const __m512i low_values =
+          _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(low, inverse)), smallest), largest);
+      const __m512i high_values =
+          _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(high, inverse)), smallest), largest);
       int8_t* out = q.values.data() + m * in_features + g * kGroup;
-      int32_t sum = 0;
-      for (int i = 0; i < kGroup; ++i) {
-        const int value = std::clamp(static_cast<int>(std::nearbyint(static_cast<float>(in[i]) * inverse)),
-                                     -kLargest, kLargest);
-        out[i] = static_cast<int8_t>(value);
-        sum += value;
-      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(low_values));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high_values));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(low_values, high_values));
       const float step = amax / kLargest;
       q.step[m * groups + g] = step;
       q.sum[m * groups + g] = sum;
@@ -74,31 +84,16 @@ void quantize_rows(const c10::BFloat16* x, int64_t rows, int64_t in_features, Qu
   }
 }
 
-inline __m512 bf16_to_fp32(const uint8_t* bytes) {
-  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
-}
-
-// Word indices gathering [low nibbles (words 0-15) | high nibbles (words 16-31)] into lane n = (low word n, high
-// word n): channel n's values at inputs 4c, 4c + 1, 4c + 2, 4c + 3.
-inline __m512i quad_order() {
-  alignas(64) uint16_t index[32];
-  for (int n = 0; n < 16; ++n) {
-    index[2 * n] = static_cast<uint16_t>(n);
-    index[2 * n + 1] = static_cast<uint16_t>(16 + n);
-  }
-  return _mm512_load_si512(index);
-}
-
-// The 8 chunks of a record as vpdpbusd operands (unsigned bytes 0..15, lane n = channel n).
-inline void unpack(const uint8_t* record, __m512i order, __m512i* quads) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-#pragma GCC unroll 8
-  for (int c = 0; c < kChunks; ++c) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32 * c));
-    const __m256i q01 = _mm256_and_si256(bytes, low);
-    const __m256i q23 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-    quads[c] = _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(q01), q23, 1));
+// The 8 chunks of a record as vpdpbusd operands and B tile rows (unsigned bytes 0..15, lane n = channel n's values
+// at inputs 4c .. 4c + 3). This build's records hold them as 4 pieces of 64 bytes (``pack_blocks`` with
+// ``quads``): piece p's low nibbles are chunk 2p, its high nibbles chunk 2p + 1.
+inline void unpack(const uint8_t* record, __m512i* quads) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int p = 0; p < kChunks / 2; ++p) {
+    const __m512i bytes = _mm512_loadu_si512(record + 64 * p);
+    quads[2 * p] = _mm512_and_si512(bytes, low);
+    quads[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
   }
 }
 
@@ -106,22 +101,21 @@ inline void unpack(const uint8_t* record, __m512i order, __m512i* quads) {
 template <int R>
 inline void rows_group(const __m512i* quads, const int8_t* const* xs, const float* steps, const int32_t* sums,
                        const float* step_sums, __m512 scale, __m512 zero, __m512* totals) {
-  __m512i dots[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+  __m512i dots[R];  // D - 8 S: the sums start at -8 S (exact integers either way)
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) dots[r] = _mm512_set1_epi32(-8 * sums[r]);
 #pragma GCC unroll 8
   for (int c = 0; c < kChunks; ++c) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t x0123;
       std::memcpy(&x0123, xs[r] + 4 * c, 4);
       dots[r] = _mm512_dpbusd_epi32(dots[r], quads[c], _mm512_set1_epi32(x0123));
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m512i t = _mm512_add_epi32(dots[r], _mm512_set1_epi32(-8 * sums[r]));
-    const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(scale, _mm512_set1_ps(steps[r])),
+    const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(scale, _mm512_set1_ps(steps[r])),
                                          totals[r]);
     totals[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(step_sums[r]), value);
   }
@@ -130,9 +124,9 @@ inline void rows_group(const __m512i* quads, const int8_t* const* xs, const floa
 // Rows m .. m + R - 1 of block b, over all its groups.
 template <int R>
 inline void rows_block(const uint8_t* weights, int64_t b, int64_t groups, int64_t last, int64_t m,
-                       int64_t in_features, const QuantizedRows& q, __m512i order, float* out) {
+                       int64_t in_features, const QuantizedRows& q, float* out) {
   __m512 totals[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) totals[r] = _mm512_setzero_ps();
   __m512i quads[kChunks];
   for (int64_t g = 0; g < groups; ++g) {
@@ -142,7 +136,7 @@ inline void rows_block(const uint8_t* weights, int64_t b, int64_t groups, int64_
     for (int64_t line = 0; line < kBytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     }
-    unpack(record, order, quads);
+    unpack(record, quads);
     const int8_t* xs[R];
     float steps[R], step_sums[R];
     int32_t sums[R];
@@ -174,15 +168,18 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed) {
   const int64_t out_features = blocks * kBlock;
   const int64_t last = blocks * groups - 1;  // the last record (prefetches stay within the weights)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const __m512i order = quad_order();
     alignas(64) float totals[kRowsAtOnce * kBlock];
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t m = 0; m < rows; m += kRowsAtOnce) {
         const int count = static_cast<int>(std::min<int64_t>(kRowsAtOnce, rows - m));
-        if (count == 1) rows_block<1>(weights, b, groups, last, m, in_features, q, order, totals);
-        if (count == 2) rows_block<2>(weights, b, groups, last, m, in_features, q, order, totals);
-        if (count == 3) rows_block<3>(weights, b, groups, last, m, in_features, q, order, totals);
-        if (count == 4) rows_block<4>(weights, b, groups, last, m, in_features, q, order, totals);
+        if (count == 1) rows_block<1>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 2) rows_block<2>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 3) rows_block<3>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 4) rows_block<4>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 5) rows_block<5>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 6) rows_block<6>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 7) rows_block<7>(weights, b, groups, last, m, in_features, q, totals);
+        if (count == 8) rows_block<8>(weights, b, groups, last, m, in_features, q, totals);
         for (int r = 0; r < count; ++r) {
           for (int64_t n = 0; n < kBlock; ++n) {
             result[(m + r) * out_features + b * kBlock + n] = c10::BFloat16(totals[r * kBlock + n]);

@@ -142,11 +142,13 @@ CALIBRATION_VERSION = 3
 
 
 def calibration_name(kind: str, aux_layers: tuple[int, ...], backend: object) -> str:
-    """The name a calibration is kept under, e.g. ``v3 max_nodes=16 aux_layers=[] head=Q8_0Head``: the LM
+    """The name a calibration is kept under, e.g. ``v3 max_nodes=16 aux_layers=[] head=Q8_0Head/amx``: the LM
     head runs outside the compiled graphs, and which one a model has (models/q8_0_head.py, packed.py)
     depends on the CPU and on a switch, so its kind is part of the name."""
     head = getattr(backend, "lm_head", None)
-    return f"v{CALIBRATION_VERSION} {kind} aux_layers={list(aux_layers)} head={type(head).__name__}"
+    build = getattr(head, "build", None)  # a Q8_0 head's kernel build: its passes cost another time
+    name = type(head).__name__ if build is None else f"{type(head).__name__}/{build}"
+    return f"v{CALIBRATION_VERSION} {kind} aux_layers={list(aux_layers)} head={name}"
 
 
 def plausible_calibration(seconds: dict[int, float]) -> bool:

@@ -103,6 +103,7 @@ def run_compile(args: argparse.Namespace) -> int:
                       "batch_buckets": list(backend.batch_graphs), "graphs": str(directory),
                       **({"int4_kernel": "+".join(kernels)} if kernels else {}),
                       "lm_head": type(backend.lm_head).__name__,  # Q8_0Head, PackedLinear, ... (models/)
+                      **({"lm_head_build": build} if (build := getattr(backend.lm_head, "build", None)) else {}),
                       "verify_ms": seconds, "threads": threads, "thread_invariant": invariant}))  # fmt: skip
     return 0
 

@@ -4,6 +4,9 @@ and a model converted from a GGUF file with a Q8_0 head decoding exactly through
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +74,7 @@ def test_the_product_sums_the_checkpoint_s_values_in_fp32() -> None:
 @needs_kernel
 def test_every_row_is_what_a_one_row_call_gives_whatever_the_rows_and_threads() -> None:
     records = pack(random_weights(512, 192, seed=2))
-    x = torch.randn(33, 192).to(torch.bfloat16)
+    x = torch.randn(33, 192).to(torch.bfloat16)  # 33 rows: three tiles of 11 in the AMX build
     alone = torch.cat([q8_0_head.product(x[i : i + 1].contiguous(), records) for i in range(33)])
     for count in range(1, 34):
         assert torch.equal(q8_0_head.product(x[:count].contiguous(), records), alone[:count]), count
@@ -81,6 +84,53 @@ def test_every_row_is_what_a_one_row_call_gives_whatever_the_rows_and_threads() 
         assert torch.equal(q8_0_head.product(x, records), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+# Runs the product of the build this process loads (argv[3]: "amx" or "avx512") on random rows; saves its logits.
+RUN_BUILD = """
+import sys, torch
+from causaldraft.models import q8_0_head
+from tests.test_q8_0_head import random_weights
+assert q8_0_head.loaded_build() == sys.argv[2], q8_0_head.loaded_build()
+records = q8_0_head.pack(random_weights(512, 576, seed=4))
+rows = torch.randn(21, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+torch.save(q8_0_head.product(rows, records), sys.argv[1])
+"""
+
+
+def build_logits(build: str, tmp_path: Path) -> torch.Tensor:
+    """The logits of the build ``build`` names (``CAUSALDRAFT_Q8_0_HEAD``), in a child process."""
+    path = tmp_path / f"{build}.pt"
+    environment = {**os.environ, q8_0_head.SWITCH: "" if build == "amx" else build}
+    command = [sys.executable, "-c", RUN_BUILD, str(path), build]
+    root = Path(__file__).parent.parent
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(path)
+
+
+@needs_kernel
+@pytest.mark.skipif(len(q8_0_head.builds()) < 2, reason="needs a CPU with AMX bf16 tiles Linux grants")
+def test_the_amx_build_sums_in_another_order_within_fp32_rounding(tmp_path: Path) -> None:
+    """The AMX build's tile products sum a record's 32 products in another order than the two dot-product
+    chains: the logits differ in their last bits, nowhere by more than fp32 rounding of the sums."""
+    weights = random_weights(512, 576, seed=4)
+    rows = torch.randn(21, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    amx, avx512 = build_logits("amx", tmp_path), build_logits("avx512", tmp_path)
+    assert not torch.equal(amx, avx512)  # the other arithmetic ran
+    bound = 1e-5 * (rows.double().abs() @ weights.dequantize().double().abs().T).max()
+    assert (amx.double() - avx512.double()).abs().max() <= bound
+
+
+@needs_kernel
+@pytest.mark.skipif(len(q8_0_head.builds()) < 2, reason="needs a CPU with AMX bf16 tiles Linux grants")
+def test_the_avx512_build_passes_the_kernel_tests() -> None:
+    """Where this session runs the AMX build, the other one runs the product and invariance tests in a child."""
+    environment = {**os.environ, q8_0_head.SWITCH: "avx512"}
+    tests = "the_product_sums or every_row_is_what"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True)
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-3000:]
 
 
 def test_a_head_that_is_not_the_checkpoint_s_is_refused() -> None:

@@ -3,7 +3,8 @@
 // See causaldraft/models/q8_0_head.py for the layout and the arithmetic (docs/q8_0-head.md).
 // Each record (16 output channels, 32 inputs) is widened to bf16 once per tile of up to 8 rows and used
 // for every row of the tile. Every output element is computed by the same instruction sequence whatever the row count and the thread
-// count, so a row's result does not depend on the other rows of the call (row invariance).
+// count, so a row's result does not depend on the other rows of the call (row invariance). Where __AMX_BF16__ is
+// defined (the AMX build, since stop 46) every call goes through tiles instead (namespace amx, below).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -13,6 +14,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -79,6 +84,99 @@ using Tile = void (*)(const uint8_t*, int64_t, const uint32_t*, int64_t, int64_t
 constexpr Tile kTiles[kMaxRows + 1] = {nullptr,        block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
                                        block_rows<5>, block_rows<6>, block_rows<7>, block_rows<8>};
 
+#ifdef __AMX_BF16__
+// The AMX build (where __AMX_BF16__ is defined and Linux grants the tiles): another order of the same fp32
+// arithmetic, the same for every row count. Per record, its 16 pairs widened as above are the 16 rows of a B tile,
+// the rows' 32 bf16 inputs of the block the rows of an A tile, and TDPBF16PS sums each row's 32 exact products per
+// channel in fp32 into a zeroed C tile; then per row total = fma(C row, scale, total), record after record. A
+// tile's element depends on its row of A and column of B alone, so a row's bits do not depend on the call's
+// other rows.
+namespace amx {
+
+constexpr int64_t kRows = 16;  // rows of an A and a C tile
+constexpr int64_t kSpan = 6;   // records widened before their tile products run
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+inline bool permitted() {  // the process's permission to use AMX tile data (Linux, once per process)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// On this thread: tiles 0-3 C (``rows`` x 16 fp32), 4 and 5 A (``rows`` x 32 bf16), 6 and 7 B (16 pairs x 16
+// channels).
+inline void configure(int64_t rows) {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = static_cast<uint8_t>(t >= 6 ? kPairs : rows);
+  }
+  _tile_loadconfig(&config);
+}
+
+struct alignas(64) Scratch {
+  uint16_t b[kSpan][kPairs * 2 * kChannels];  // widened records
+  float c[kSpan][kRows * kChannels];          // their rows' sums
+};
+
+#define CAUSALDRAFT_RECORD_TILE(C, A, B, a, stride, b, c) \
+  do {                                                   \
+    _tile_zero(C);                                       \
+    _tile_loadd(A, a, stride);                           \
+    _tile_loadd(B, b, 64);                               \
+    _tile_dpbf16ps(C, A, B);                             \
+    _tile_stored(C, c, 64);                              \
+  } while (false)
+
+// Rows m .. m + count - 1 (count <= tile rows) of one block over all its records, into out. ``x`` holds whole
+// tiles of rows (rows past the call's are zeros).
+void block_rows(const uint8_t* records, int64_t groups, const uint16_t* x, int64_t in_features, int64_t m,
+                int64_t count, float* out, int64_t out_features, int64_t channel, const uint8_t* last,
+                Scratch& scratch) {
+  __m512 totals[kRows];
+  for (int64_t r = 0; r < count; ++r) totals[r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += kSpan) {
+    const int64_t span = std::min(kSpan, groups - g0);
+    for (int64_t s = 0; s < span; ++s) {
+      const uint8_t* record = records + (g0 + s) * kBytes;
+      const uint8_t* ahead = std::min(record + kAhead * kBytes, last);
+      for (int64_t line = 0; line < kBytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+      }
+      for (int p = 0; p < kPairs; ++p) {
+        _mm512_store_si512(scratch.b[s] + p * 2 * kChannels, (__m512i)widen(record, p));
+      }
+    }
+    for (int64_t s = 0; s < span; ++s) {
+      const uint16_t* a = x + m * in_features + (g0 + s) * kGroup;
+      switch (s % 2) {
+        case 0: CAUSALDRAFT_RECORD_TILE(0, 4, 6, a, in_features * 2, scratch.b[s], scratch.c[s]); break;
+        default: CAUSALDRAFT_RECORD_TILE(1, 5, 7, a, in_features * 2, scratch.b[s], scratch.c[s]); break;
+      }
+    }
+    for (int64_t s = 0; s < span; ++s) {
+      const uint8_t* record = records + (g0 + s) * kBytes;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + kValues)));
+      for (int64_t r = 0; r < count; ++r) {
+        totals[r] = _mm512_fmadd_ps(_mm512_load_ps(scratch.c[s] + r * kChannels), scale, totals[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) _mm512_storeu_ps(out + (m + r) * out_features + channel, totals[r]);
+}
+
+#undef CAUSALDRAFT_RECORD_TILE
+
+}  // namespace amx
+#endif
+
 at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "q8_0_mm: x must be [m, k] bf16");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "q8_0_mm: bad packed");
@@ -92,6 +190,26 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& packed) {
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   const uint8_t* last = weights + (blocks * groups - 1) * kBytes;  // prefetches stay within the weights
   float* result = out.data_ptr<float>();
+#ifdef __AMX_BF16__
+  if (amx::permitted()) {
+    // tiles of equal rows (at most 16): 20 rows are two tiles of 10; rows past the call's are zeros
+    const int64_t tiles = (rows + amx::kRows - 1) / amx::kRows, tile_rows = (rows + tiles - 1) / tiles;
+    std::vector<uint16_t> padded(tiles * tile_rows * in_features, 0);
+    std::copy_n(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows * in_features, padded.data());
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      amx::configure(tile_rows);
+      amx::Scratch scratch;
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t m = 0; m < rows; m += tile_rows) {
+          amx::block_rows(weights + b * groups * kBytes, groups, padded.data(), in_features, m,
+                          std::min(tile_rows, rows - m), result, out_features, b * kChannels, last, scratch);
+        }
+      }
+      _tile_release();
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* records = weights + b * groups * kBytes;

@@ -15,8 +15,9 @@ default model's shapes (``bench/kernel_speed.py --dtype bfloat16``) at 1 / 8 / 1
 So the first compile of a bf16 model on such a machine times both on products shaped like a pass
 (``timed_products``, a few seconds, in this process: both run here side by side) and keeps the answer in
 ``$CAUSALDRAFT_HOME/kernels/bf16-choice-<digest>.json``. oneDNN is chosen when its sum over ``PROBE_ROWS``
-is below ``MARGIN`` of the kernel's, each product's sum the fastest of ``PROBE_ROUNDS`` probes (since stop 46). Both are exact products of bf16 numbers with fp32 sums (in different
-orders), so the choice changes speed, not accuracy. ``CAUSALDRAFT_BF16_PRODUCTS=kernel`` (or ``onednn``)
+is below ``MARGIN`` of the kernel's, each product's sum the fastest of ``PROBE_ROUNDS`` probes (since stop 46).
+Both are exact products of bf16 numbers with fp32 sums (in different orders), so the choice changes speed, not
+accuracy. ``CAUSALDRAFT_BF16_PRODUCTS=kernel`` (or ``onednn``)
 skips the timing.
 
 What oneDNN changes (``compiled.use_chosen_bf16_products``, the first thing ``compile_model`` does): the model's

@@ -75,12 +75,13 @@ def test_the_kept_choice_is_read_back_and_a_corrupt_one_measured_again(
     assert path.is_relative_to(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"products": kept}))
-    timings = {"kernel": 10.0, "onednn": 5.0}
+    # two probes, the first in a busy moment for oneDNN: each product's fastest sum decides (10.0 against 5.0)
+    probes = [{"kernel": 10.0, "onednn": 12.0}, {"kernel": 11.0, "onednn": 5.0}]
     measured: list[int] = []
 
     def timed() -> dict[str, float]:
         measured.append(1)
-        return timings
+        return probes[(len(measured) - 1) % len(probes)]
 
     monkeypatch.setattr(bf16_choice, "timed_products", timed)
     bf16_choice.measured_choice.cache_clear()
@@ -88,8 +89,9 @@ def test_the_kept_choice_is_read_back_and_a_corrupt_one_measured_again(
         assert bf16_choice.layer_products() == kept and not measured
         path.write_text("{not json")  # corrupt: timed again, and the new answer kept
         bf16_choice.measured_choice.cache_clear()
-        assert bf16_choice.layer_products() == "onednn" and measured == [1]
-        assert json.loads(path.read_text())["products"] == "onednn"
+        assert bf16_choice.layer_products() == "onednn" and len(measured) == bf16_choice.PROBE_ROUNDS == 2
+        record = json.loads(path.read_text())
+        assert record["products"] == "onednn" and record["ms"] == {"kernel": 10.0, "onednn": 5.0}
     finally:
         bf16_choice.measured_choice.cache_clear()
 

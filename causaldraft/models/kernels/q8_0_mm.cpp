@@ -194,14 +194,19 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& packed) {
   if (amx::permitted()) {
     // tiles of equal rows (at most 16): 20 rows are two tiles of 10; rows past the call's are zeros
     const int64_t tiles = (rows + amx::kRows - 1) / amx::kRows, tile_rows = (rows + tiles - 1) / tiles;
-    std::vector<uint16_t> padded(tiles * tile_rows * in_features, 0);
-    std::copy_n(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows * in_features, padded.data());
+    const auto* inputs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    std::vector<uint16_t> padded;  // only where the last tile has rows past the call's
+    if (tiles * tile_rows > rows) {
+      padded.assign(tiles * tile_rows * in_features, 0);
+      std::copy_n(inputs, rows * in_features, padded.data());
+      inputs = padded.data();
+    }
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       amx::configure(tile_rows);
       amx::Scratch scratch;
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t m = 0; m < rows; m += tile_rows) {
-          amx::block_rows(weights + b * groups * kBytes, groups, padded.data(), in_features, m,
+          amx::block_rows(weights + b * groups * kBytes, groups, inputs, in_features, m,
                           std::min(tile_rows, rows - m), result, out_features, b * kChannels, last, scratch);
         }
       }

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from causaldraft.sampling import sample
 from causaldraft.tree import Tree
-from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
+from causaldraft.verify import Acceptance, row_argmax, verify_greedy, verify_naive, verify_sampled
 
 VOCAB = 4
 TRIALS = 12000
@@ -164,6 +164,23 @@ def test_greedy_descends_along_argmax_and_emits_bonus() -> None:
     assert verify_greedy(tree, logits) == Acceptance((0, 2, 3), (2, 3, 4), True)
     logits[2, 3], logits[2, 1] = -1.0, 5.0  # node 2 now wants 1: recovered token 1 at node 2
     assert verify_greedy(tree, logits) == Acceptance((0, 2), (2, 1), False)
+
+
+def test_row_argmax_is_torch_argmax_ties_nans_and_infinities_included() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(9, 49152, generator=generator)
+    scores[1, 7] = scores[1, 40000] = 99.0  # a tie: the first index
+    scores[2, 123] = scores[2, 5] = float("nan")  # a NaN counts as the maximum, the first one
+    scores[3] = float("-inf")
+    scores[4, 300] = scores[4, 301] = float("inf")
+    scores[5] = 0.0
+    expected = scores.argmax(-1).tolist()
+    assert expected[1:6] == [7, 5, 0, 300, 0]
+    assert row_argmax(scores) == expected
+    assert row_argmax(scores[:, ::2]) == scores[:, ::2].argmax(-1).tolist()  # not contiguous
+    assert row_argmax(scores.bfloat16()) == scores.bfloat16().argmax(-1).tolist()  # torch's path
+    with torch.inference_mode():
+        assert row_argmax(scores.clone()) == expected
 
 
 def test_deterministic_rule_with_one_hot_target_accepts_exactly_the_argmax() -> None:

@@ -98,6 +98,16 @@ class Eagle3Config:
         return (self.num_heads * self.head_dim, kv, kv)
 
 
+class DraftNorm(RMSNorm):
+    """The layer's RMSNorm, its weight in the input's dtype: under training's bf16 autocast the input is bf16 and
+    the weight fp32, which ``F.rms_norm`` cannot fuse (it warned and took its slow path). Where the dtypes agree
+    (drafting, the export check) this is ``RMSNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+
 class Eagle3Layer(nn.Module):
     vocab_ids: torch.Tensor  # [V'] target id of each draft id (sorted)
     inv_freq: torch.Tensor  # [head_dim // 2]
@@ -111,14 +121,14 @@ class Eagle3Layer(nn.Module):
         inv_freq, self.attention_scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.fc = nn.Linear(config.feature_size, hidden, bias=False)
-        self.input_layernorm = RMSNorm(hidden, config.rms_eps)
-        self.hidden_norm = RMSNorm(hidden, config.rms_eps)
+        self.input_layernorm = DraftNorm(hidden, config.rms_eps)
+        self.hidden_norm = DraftNorm(hidden, config.rms_eps)
         self.qkv_proj = nn.Linear(2 * hidden, sum(config.part_rows()), bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, hidden, bias=False)
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_eps)
+        self.post_attention_layernorm = DraftNorm(hidden, config.rms_eps)
         self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
-        self.norm = RMSNorm(hidden, config.rms_eps)
+        self.norm = DraftNorm(hidden, config.rms_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab, bias=False)
 
     @property

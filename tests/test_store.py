@@ -22,10 +22,12 @@ from causaldraft.drafters.lookup import Continuation, LookupDrafter, Match, prio
 from causaldraft.drafters.store import (
     CONFIG_FILE,
     MIN_COUNT,
+    REPEAT_PREFIX,
     STORE_FILE,
     NgramStore,
     StoreConfig,
     StoreGuess,
+    add_answers,
     corpus_arrays,
     load_store,
     save_store,
@@ -270,3 +272,28 @@ def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytes
         (data / "meta.json").write_text(json.dumps({**meta, **change}))
         assert main(["build-store", "--model", str(tiny_llama_dir), "--from", str(data), "--out", str(again)]) == 2
         assert message in capsys.readouterr().err
+    # --extend: the store's answers first; the same answers again are all left out as repeats
+    extended = tmp_path / "extended"
+    from_data = ["build-store", "--model", str(tiny_llama_dir), "--from", str(work / "store-data-seed0")]
+    assert main([*from_data, "--extend", str(out), "--out", str(extended)]) == 0
+    grown = json.loads((extended / CONFIG_FILE).read_text())
+    assert (grown["tokens"], grown["sequences"]) == (config["tokens"], config["sequences"])
+    assert grown["record"]["extends"]["repeated_answers_left_out"] == config["sequences"]
+    assert grown["record"]["extends"]["record"] == config["record"]
+    assert main([*from_data, "--extend", str(tmp_path / "none"), "--out", str(extended)]) == 2
+    assert "store to extend" in capsys.readouterr().err
+    other = tmp_path / "other-store"
+    shutil.copytree(out, other)
+    (other / CONFIG_FILE).write_text(json.dumps({**config, "fingerprint": "0123456789abcdef"}))
+    assert main([*from_data, "--extend", str(other), "--out", str(extended)]) == 2
+    assert "another model's answers" in capsys.readouterr().err
+
+
+def test_added_answers_leave_out_repeats_of_earlier_ones() -> None:
+    corpus = [[1, 2, 3]]
+    assert add_answers(corpus, [[1, 2, 4], [5], [5]], prefix=2) == ([[1, 2, 3], [5]], 2)
+    assert add_answers(corpus, [[1, 2, 4], [5, 6], [5]], prefix=3) == ([[1, 2, 3], [1, 2, 4], [5, 6], [5]], 0)
+    long = list(range(REPEAT_PREFIX + 5))
+    changed_late = [*long[:REPEAT_PREFIX], 999]  # the same first REPEAT_PREFIX tokens: one answer twice
+    assert add_answers([long], [changed_late, long[:-1]]) == ([long], 2)
+    assert add_answers([], [[7], [7, 8]]) == ([[7], [7, 8]], 0)

@@ -40,6 +40,7 @@ MIN_NGRAM, MAX_NGRAM = 2, 6
 MIN_COUNT = 2  # an n-gram seen fewer times proposes nothing
 MIN_SHARE = 0.3  # a continuation stops where the product of its followers' shares falls below this
 SURE_SHARE = 0.6  # a proposal whose first follower has at least this share is a "sure" match kind
+REPEAT_PREFIX = 32  # answers that begin with the same this many tokens are one answer twice (add_answers)
 HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # odd 64-bit constant of the polynomial n-gram hash
 MASK = (1 << 64) - 1
 
@@ -209,9 +210,9 @@ def read_store_config(directory: Path) -> StoreConfig:
         raise CausalDraftError(f"{path} is not an n-gram store config: {error}") from None
 
 
-def load_store(directory: Path, fingerprint: str, vocab_size: int) -> NgramStore:
-    """The store in ``directory`` for the model with this base fingerprint; a store built from
-    another model's answers, or a missing or corrupt file, is refused."""
+def load_corpus(directory: Path, fingerprint: str, vocab_size: int) -> tuple[StoreConfig, np.ndarray, np.ndarray]:
+    """The config, tokens [N] and sequence starts [S + 1] of the store in ``directory``, for the model with this
+    base fingerprint; a store built from another model's answers, or a missing or corrupt file, is refused."""
     config = read_store_config(directory)
     if config.fingerprint != fingerprint or config.vocab_size != vocab_size:
         raise CausalDraftError(
@@ -230,4 +231,33 @@ def load_store(directory: Path, fingerprint: str, vocab_size: int) -> NgramStore
         raise CausalDraftError(f"{directory / STORE_FILE}: sequence starts do not cover its tokens")
     if len(token_array) and (token_array.min() < 0 or token_array.max() >= vocab_size):
         raise CausalDraftError(f"{directory / STORE_FILE} holds token ids outside the vocabulary of {vocab_size}")
-    return NgramStore(config, token_array, start_array)
+    return config, token_array, start_array
+
+
+def load_store(directory: Path, fingerprint: str, vocab_size: int) -> NgramStore:
+    """The store in ``directory`` for the model with this base fingerprint (``load_corpus``'s checks)."""
+    return NgramStore(*load_corpus(directory, fingerprint, vocab_size))
+
+
+def corpus_sequences(tokens: np.ndarray, starts: np.ndarray) -> list[list[int]]:
+    """The corpus's answers, one list of ids each (``corpus_arrays`` undone)."""
+    return [tokens[begin:end].tolist() for begin, end in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def add_answers(
+    corpus: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], prefix: int = REPEAT_PREFIX
+) -> tuple[list[list[int]], int]:
+    """``corpus`` followed by the ``answers`` that repeat none before them, and how many did. An answer repeats
+    another when both begin with the same ``prefix`` tokens (the whole answer where it is shorter), as two greedy
+    answers to one prompt do (two prompt orders share prompts): no answer's n-grams count twice.
+    Example, prefix 2: corpus [[1, 2, 3]] and answers [[1, 2, 4], [5], [5]] give [[1, 2, 3], [5]] and 2 repeats."""
+    seen = {tuple(answer[:prefix]) for answer in corpus}
+    kept, repeats = [list(answer) for answer in corpus], 0
+    for answer in answers:
+        key = tuple(answer[:prefix])
+        if key in seen:
+            repeats += 1
+            continue
+        seen.add(key)
+        kept.append(list(answer))
+    return kept, repeats

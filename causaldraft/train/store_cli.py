@@ -3,7 +3,8 @@
 The target answers the prompts greedily with the batched generator of the eagle3 recipe (no
 features kept), shard by shard into ``WORK/store-data-seed{S}`` (resumable after a kill); the
 responses become the store (``drafters/store.py``). ``--from DIR`` builds it from sequences already
-generated there instead (e.g. an eagle3 recipe's greedy ``eagle3-data``).
+generated there instead (e.g. an eagle3 recipe's greedy ``eagle3-data``). ``--extend STORE`` puts that store's
+answers first and leaves out the new answers that repeat one of them (``store.add_answers``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from causaldraft.drafters.store import StoreConfig, save_store
+from causaldraft.drafters.store import StoreConfig, add_answers, corpus_sequences, load_corpus, save_store
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
@@ -38,6 +39,9 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--data-seed", type=int, default=generation.seed, help="order of the prompts answered")
     parser.add_argument("--threads", type=int, default=generation.threads)
     parser.add_argument("--work", type=Path, default=None, help="cache of the generated answers")
+    parser.add_argument("--extend", type=Path, default=None,
+                        help="a store of this model whose answers come first; the new ones that repeat one are left "
+                             "out")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.set_defaults(func=run)
 
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     for path in args.prompts:  # before the model loads
         if not path.is_file():
             raise CausalDraftError(f"prompt file {path} does not exist")
+    if args.extend is not None and not args.extend.is_dir():
+        raise CausalDraftError(f"store to extend {args.extend} does not exist")
     loaded = load_model(args.model, "native", "bfloat16")
     backend = loaded.backend
     if not isinstance(backend, NativeLlama):
@@ -76,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         "data_meta": meta,
         "generation_seconds": round(generated[1], 1) if generated else None,
     }
+    if args.extend is not None:
+        base, tokens, starts = load_corpus(args.extend, loaded.base_fingerprint, backend.shape.vocab_size)
+        responses, repeats = add_answers(corpus_sequences(tokens, starts), responses)
+        record["extends"] = {"store": str(args.extend), "tokens": base.tokens, "sequences": base.sequences,
+                             "record": base.record, "repeated_answers_left_out": repeats}  # fmt: skip
     config_out = StoreConfig(loaded.base_fingerprint, backend.shape.vocab_size, sum(map(len, responses)),
                              len(responses), record=record)  # fmt: skip
     store = save_store(args.out, responses, config_out)

@@ -22,7 +22,6 @@ from causaldraft.config import TREE_KINDS, EngineConfig, TreeConfig
 from causaldraft.decode import StepStats
 from causaldraft.drafters.registry import DRAFTERS
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.hf import HFBackend
 from causaldraft.models.loading import TORCH_DTYPES, LoadedModel, default_gguf_path
 
 HF_METHODS = ("hf", "hf-lookup")
@@ -257,6 +256,8 @@ class MethodFactory:
 
     def transformers_model(self) -> Any:
         if self.hf_model is None:
+            from causaldraft.models.hf import HFBackend  # transformers' modeling code (~1.4 s to import): hf only
+
             if isinstance(self.loaded.backend, HFBackend):
                 self.hf_model = self.loaded.backend.model
             else:

@@ -29,7 +29,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from causaldraft.config import DTYPES
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
-from causaldraft.models.hf import HFBackend
 from causaldraft.models.identity import checkpoint_fingerprint, load_fingerprint, opened
 from causaldraft.models.native import LlamaShape, NativeLlama, checkpoint_files
 from causaldraft.models.packed import use_packed_head
@@ -338,6 +337,8 @@ def load_backend(model_dir: Path, backend: str, dtype: str) -> tuple[Backend, Ba
     elif backend == "hf":
         if dtype not in TORCH_DTYPES:
             raise CausalDraftError(f"the hf backend supports float32 and bfloat16, not {dtype}")
+        from causaldraft.models.hf import HFBackend  # transformers' modeling code: ~2 s to import, hf backend only
+
         loaded = HFBackend.from_pretrained(model_dir, TORCH_DTYPES[dtype])
     else:
         raise CausalDraftError(f"backend must be native or hf, got {backend!r}")

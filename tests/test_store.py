@@ -287,6 +287,9 @@ def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytes
     (other / CONFIG_FILE).write_text(json.dumps({**config, "fingerprint": "0123456789abcdef"}))
     assert main([*from_data, "--extend", str(other), "--out", str(extended)]) == 2
     assert "another model's answers" in capsys.readouterr().err
+    fresh_work = tmp_path / "work-refused"  # refused before any answer is generated
+    assert main([*args[:-4], "--work", str(fresh_work), "--extend", str(other), "--out", str(extended)]) == 2
+    assert "another model's answers" in capsys.readouterr().err and not fresh_work.exists()
 
 
 def test_added_answers_leave_out_repeats_of_earlier_ones() -> None:

@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(backend, NativeLlama):
         raise CausalDraftError("build-store needs the native backend")
     use_batch_products(backend)  # answers are generated 48 rows at a time
+    # the store to extend is checked before any answer is generated
+    base = None if args.extend is None else load_corpus(args.extend, loaded.base_fingerprint, backend.shape.vocab_size)
     began = time.perf_counter()
     if args.source is not None:
         directory, generated = args.source, None
@@ -82,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
         "data_meta": meta,
         "generation_seconds": round(generated[1], 1) if generated else None,
     }
-    if args.extend is not None:
-        base, tokens, starts = load_corpus(args.extend, loaded.base_fingerprint, backend.shape.vocab_size)
+    if base is not None:
+        old, tokens, starts = base
         responses, repeats = add_answers(corpus_sequences(tokens, starts), responses)
-        record["extends"] = {"store": str(args.extend), "tokens": base.tokens, "sequences": base.sequences,
-                             "record": base.record, "repeated_answers_left_out": repeats}  # fmt: skip
+        record["extends"] = {"store": str(args.extend), "tokens": old.tokens, "sequences": old.sequences,
+                             "record": old.record, "repeated_answers_left_out": repeats}  # fmt: skip
     config_out = StoreConfig(loaded.base_fingerprint, backend.shape.vocab_size, sum(map(len, responses)),
                              len(responses), record=record)  # fmt: skip
     store = save_store(args.out, responses, config_out)

@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file as load_arrays
+from safetensors.numpy import save_file as save_arrays
+from safetensors.torch import load_file
 
 from causaldraft.api import load
 from causaldraft.cli import main
@@ -28,12 +31,16 @@ from causaldraft.drafters.store import (
     StoreConfig,
     StoreGuess,
     add_answers,
+    build_index,
     corpus_arrays,
+    corpus_sequences,
+    index_path,
     load_store,
     save_store,
 )
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
+from causaldraft.paths import causaldraft_home
 from causaldraft.verify import Acceptance
 from tests.test_decode import SAMPLES, law_test
 from tests.test_eagle3 import layer_dir
@@ -161,6 +168,40 @@ def test_files_round_trip_and_bad_stores_are_refused(tiny: LoadedModel, store_di
         load_store(foreign, fingerprint, vocab)
     with pytest.raises(CausalDraftError, match="does not exist"):
         load(loaded=tiny, drafter="lookup", store=str(tmp_path / "nowhere"), calibrate=False, compile=False)
+
+
+def test_a_loaded_store_keeps_its_index_in_the_cache(
+    tiny: LoadedModel, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load writes the built index under the home; later loads read that file (an edited file
+    shows through), a corrupt one is rebuilt and rewritten, and an unwritable home only costs the build."""
+    fingerprint, vocab = tiny.base_fingerprint, tiny.backend.shape.vocab_size
+    monkeypatch.setenv("CAUSALDRAFT_HOME", str(tmp_path / "home"))
+    first = load_store(store_dir, fingerprint, vocab)
+    tokens, starts = corpus_arrays(first_answers := corpus_of(store_dir))
+    path = index_path(tokens, starts, first.config.min_ngram, first.config.max_ngram)
+    assert path.parent == causaldraft_home() / "store-index" and path.is_file()
+    built = build_index(tokens, starts, first.config.min_ngram, first.config.max_ngram)
+    for kept, fresh in zip((first.keys, first.followers, first.shares), built, strict=True):
+        assert kept.dtype == fresh.dtype and (kept == fresh).all()
+    edited = {"keys": built[0], "followers": built[1] + 1, "shares": built[2]}
+    save_arrays(edited, str(path))
+    assert (load_store(store_dir, fingerprint, vocab).followers == built[1] + 1).all()
+    path.write_bytes(b"not an index")
+    assert (load_store(store_dir, fingerprint, vocab).followers == built[1]).all()
+    assert (load_arrays(str(path))["followers"] == built[1]).all()  # rewritten
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial file left
+    assert index_path(*corpus_arrays([*first_answers, [1, 2]]), 2, 6) != path  # another corpus, another file
+    assert index_path(tokens, starts, 2, 5) != path  # other n-gram sizes too
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the home's folder would be")
+    monkeypatch.setenv("CAUSALDRAFT_HOME", str(blocked))
+    assert (load_store(store_dir, fingerprint, vocab).keys == built[0]).all()
+
+
+def corpus_of(directory: Path) -> list[list[int]]:
+    tensors = load_file(str(directory / STORE_FILE))
+    return corpus_sequences(tensors["tokens"].numpy(), tensors["starts"].numpy())
 
 
 def context(tokens: tuple[int, ...], width: int = 1) -> DraftContext:

@@ -13,8 +13,9 @@ from causaldraft.cli import main
 from causaldraft.drafters.heads import HeadsConfig, load_heads, new_heads
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import load_model
-from causaldraft.train.data import cut_at_eos, encode_prompts, mix_prompts, read_prompts
+from causaldraft.train.data import encode_prompts, mix_prompts, read_prompts
 from causaldraft.train.evaluate import evaluate
+from causaldraft.train.feature_data import shard_answers
 from causaldraft.train.features import compute_features, draft_vocabulary, split_features
 from causaldraft.train.trainer import TrainConfig, train
 from tests.tiny import byte_tokenizer
@@ -77,24 +78,20 @@ def test_prompt_formats(tmp_path: Path) -> None:
         read_prompts(tmp_path / "none.json")
 
 
-def test_cut_at_eos() -> None:
-    assert cut_at_eos([5, 6, 2, 2, 2], 2) == [5, 6, 2]
-    assert cut_at_eos([5, 6], 2) == [5, 6]
-
-
 def test_a_work_folder_refuses_data_of_another_model_or_other_prompts(
     trained: dict[str, Path], tiny_llama_dir: Path, tiny_qwen_dir: Path, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     """Rerunning train-heads on the fixture's --work with another model, other prompts, longer answers or
     another dtype is refused before anything is generated or trained: it once resumed the old data and
-    stamped heads trained on one model with another's fingerprint."""
+    stamped heads trained on one model with another's fingerprint. The answers depend on the dtype they
+    were generated in, which the load's fingerprint says."""
     other_prompts = tmp_path / "other.txt"
     other_prompts.write_text("a prompt the fixture never saw\nand another one\n")
     base = {"--model": str(tiny_llama_dir), "--prompts": str(write_prompts(tmp_path)), "--max-new-tokens": "48",
             "--dtype": "float32"}  # fmt: skip
     changes = [({"--model": str(tiny_qwen_dir)}, "fingerprint"), ({"--prompts": str(other_prompts)}, "prompts"),
-               ({"--max-new-tokens": "64"}, "max_new_tokens"), ({"--dtype": "bfloat16"}, "dtype")]  # fmt: skip
+               ({"--max-new-tokens": "64"}, "max_new_tokens"), ({"--dtype": "bfloat16"}, "fingerprint")]  # fmt: skip
     for change, named in changes:
         flags = [item for pair in {**base, **change}.items() for item in pair]
         code = main(["train-heads", *flags, "--heads", "markov", "--num-heads", "3", "--draft-vocab", "160",
@@ -126,10 +123,10 @@ def test_a_rerun_at_another_learning_rate_trains_instead_of_reloading_the_finish
 
 def test_feature_segments_follow_the_documented_layout(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
     work = trained["work"]
-    shard = torch.load(sorted((work / "gen").glob("shard_*.pt"))[0], weights_only=True)
+    answers = shard_answers(sorted((work / "heads-data").glob("shard_*.pt"))[0])
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
-    features = compute_features(tiny.backend, work / "gen", work / "features")
-    prompt, response = shard["prompts"][0], shard["responses"][0]
+    features = compute_features(tiny.backend, work / "heads-data", work / "heads-features")
+    prompt, response = answers[0]
     segment = features.tokens[: len(response) + 1].tolist()
     assert segment == prompt[-1:] + response
     assert int(features.ends[0]) == len(response)
@@ -139,7 +136,7 @@ def test_feature_segments_follow_the_documented_layout(trained: dict[str, Path],
 
 def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
-    features = compute_features(tiny.backend, trained["work"] / "gen", trained["work"] / "features")
+    features = compute_features(tiny.backend, trained["work"] / "heads-data", trained["work"] / "heads-features")
     train_set, eval_set = split_features(features, eval_every=5)
     assert train_set.tokens.numel() + eval_set.tokens.numel() == features.tokens.numel()
     shape = tiny.backend.shape
@@ -159,7 +156,7 @@ def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_
 
 def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path) -> None:
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
-    features = compute_features(tiny.backend, trained["work"] / "gen", trained["work"] / "features")
+    features = compute_features(tiny.backend, trained["work"] / "heads-data", trained["work"] / "heads-features")
     shape = tiny.backend.shape
     vocab_ids = draft_vocabulary(features, shape.vocab_size, 128)
     embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()

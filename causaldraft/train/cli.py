@@ -11,11 +11,10 @@ from typing import TypeVar
 
 from causaldraft.drafters.heads import HEAD_KINDS
 from causaldraft.errors import CausalDraftError
-from causaldraft.train.data import GenerationConfig
 from causaldraft.train.eagle3_recipe import Eagle3Recipe, run_eagle3_recipe
 from causaldraft.train.eagle3_train import Eagle3TrainConfig
 from causaldraft.train.feature_data import FeatureGenConfig
-from causaldraft.train.recipe import Recipe, run_recipe
+from causaldraft.train.recipe import HEADS_DATA, Recipe, run_recipe
 from causaldraft.train.trainer import TrainConfig
 
 T = TypeVar("T")
@@ -23,7 +22,7 @@ T = TypeVar("T")
 
 def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     recipe = Recipe(model="default", prompts=(), kind="markov", out=Path("."))
-    generation, training, eagle = GenerationConfig(), TrainConfig(), Eagle3TrainConfig()
+    generation, training, eagle = HEADS_DATA, TrainConfig(), Eagle3TrainConfig()
     parser = commands.add_parser("train-heads", help="train markov/medusa heads or an eagle3 layer (self-distillation)")
     # fmt: off
     parser.add_argument("--model", default="default",
@@ -47,26 +46,16 @@ def register(commands: argparse._SubParsersAction) -> None:  # type: ignore[type
     parser.add_argument("--init", type=Path, default=None,
                         help="eagle3: start from this trained layer (same target) instead of from scratch")
     # fmt: on
-    features = FeatureGenConfig()
     sizes: tuple[tuple[str, type, object, str], ...] = (
         ("--tokens", int, generation.tokens, "response tokens to generate"),
         ("--seed", int, training.seed, "initialisation and batch order"),
         ("--data-seed", int, generation.seed, "order of the prompts answered (another seed draws other prompts)"),
         ("--max-new-tokens", int, generation.max_new_tokens, "longest answer"),
+        ("--gen-batch-size", int, generation.batch_size, "answers generated at once"),
+        ("--threads", int, generation.threads, "torch threads for data passes"),
     )
     for flag, kind, default, text in sizes:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
-    # flags whose default depends on --heads: None until ``resolved`` fills it in
-    for flag, kind, default, text in (
-        (
-            "--gen-batch-size",
-            int,
-            f"{generation.batch_size}; eagle3: {features.batch_size}",
-            "answers generated at once",
-        ),
-        ("--threads", int, f"{generation.threads}; eagle3: {features.threads}", "torch threads for data passes"),
-    ):
-        parser.add_argument(flag, type=kind, default=None, help=f"{text} (default: {default})")
     # flags of one kind only: given for the other kind, they are refused (``refuse_other_kinds``)
     for flag, kind, default, text in (
         ("--num-heads", int, recipe.num_heads, "markov/medusa: heads (draft depth)"),
@@ -108,10 +97,8 @@ def run(args: argparse.Namespace) -> int:
     refuse_other_kinds(args)
     if args.heads == "eagle3":
         return run_eagle3(args)
-    base = GenerationConfig()
-    generation = GenerationConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
-                                  batch_size=resolved(args.gen_batch_size, base.batch_size),
-                                  threads=resolved(args.threads, base.threads), seed=args.data_seed)  # fmt: skip
+    generation = FeatureGenConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens, seed=args.data_seed,
+                                  batch_size=args.gen_batch_size, threads=args.threads)  # fmt: skip
     defaults = TrainConfig()
     training = TrainConfig(steps=resolved(args.steps, defaults.steps),
                            batch_size=resolved(args.batch_size, defaults.batch_size),
@@ -130,11 +117,10 @@ def run(args: argparse.Namespace) -> int:
 
 def run_eagle3(args: argparse.Namespace) -> int:
     """eagle3 shares the data flags with the heads; --epochs, --ttt-steps, --rows-per-batch and --context
-    are its own, and --lr, --gen-batch-size and --threads have defaults of its own."""
-    defaults, base = Eagle3TrainConfig(), FeatureGenConfig()
+    are its own, and --lr has a default of its own."""
+    defaults = Eagle3TrainConfig()
     generation = FeatureGenConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens,
-                                  batch_size=resolved(args.gen_batch_size, base.batch_size),
-                                  threads=resolved(args.threads, base.threads), seed=args.data_seed,
+                                  batch_size=args.gen_batch_size, threads=args.threads, seed=args.data_seed,
                                   temperature=args.data_temperature)  # fmt: skip
     training = Eagle3TrainConfig(epochs=resolved(args.epochs, defaults.epochs),
                                  rows_per_batch=resolved(args.rows_per_batch, defaults.rows_per_batch),

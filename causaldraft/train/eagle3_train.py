@@ -31,6 +31,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import apply_rope
 from causaldraft.train.data import shard_paths
 from causaldraft.train.evaluate import Evaluation
+from causaldraft.train.feature_data import read_shard
 from causaldraft.train.trainer import draft_index
 
 
@@ -74,10 +75,7 @@ def load_sequences(directory: Path) -> list[Sequence]:
         raise CausalDraftError(f"no generated feature data in {directory}")
     sequences = []
     for path in paths:
-        try:
-            shard = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, EOFError) as error:
-            raise CausalDraftError(f"corrupt feature shard {path}: {error}; delete it to regenerate") from error
+        shard = read_shard(path)
         lengths, prompts = shard["lengths"].tolist(), shard["prompt_lengths"].tolist()
         tokens = shard["tokens"].long().split(lengths)
         features = shard["features"].split([length - 1 for length in lengths])

@@ -123,15 +123,28 @@ class ShardWriter:
         self.rows, self.seconds = [], 0.0
 
 
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """One shard's record (``ShardWriter.flush``); a corrupt one is refused with what to do about it."""
+    try:
+        return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+    except (OSError, RuntimeError, EOFError) as error:
+        raise CausalDraftError(f"corrupt feature shard {path}: {error}; delete it to regenerate") from error
+
+
+def shard_answers(path: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) token ids of each sequence in one shard, in order."""
+    shard = read_shard(path)
+    lengths, prompt_lengths = shard["lengths"].tolist(), shard["prompt_lengths"].tolist()
+    sequences = [tokens.tolist() for tokens in shard["tokens"].split(lengths)]
+    return [(tokens[:prompt], tokens[prompt:]) for tokens, prompt in zip(sequences, prompt_lengths, strict=True)]
+
+
 def done_prompts(directory: Path) -> tuple[set[int], int, float]:
     """Prompt indices already answered, their response tokens, and the seconds spent on them."""
     done: set[int] = set()
     tokens, seconds = 0, 0.0
     for path in shard_paths(directory):
-        try:
-            shard = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, EOFError) as error:
-            raise CausalDraftError(f"corrupt feature shard {path}: {error}; delete it to regenerate") from error
+        shard = read_shard(path)
         done.update(shard["prompt_index"].tolist())
         tokens += int((shard["lengths"] - shard["prompt_lengths"]).sum())
         seconds += float(shard["seconds"])

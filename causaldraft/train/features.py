@@ -1,4 +1,8 @@
-"""One target pass over the generated data: last hidden states and top-k next-token log-probs.
+"""One target pass over the generated answers: last hidden states and top-k next-token log-probs.
+
+The answers come from ``feature_data.generate_features`` without auxiliary layers (the batched
+generator of the eagle3 recipe and of build-store); the heads then need each position's final hidden
+state, which this pass computes, one sequence at a time.
 
 For a sequence of prompt length P and response length R, the stored *segment* covers positions
 P-1 .. P+R-1 (R + 1 rows): tokens[j] is the token at position P-1+j, hidden[j] the target's final
@@ -18,6 +22,7 @@ from tqdm import tqdm
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.train.data import check_meta, read_meta, shard_paths
+from causaldraft.train.feature_data import shard_answers
 
 
 @dataclass(frozen=True)
@@ -61,20 +66,20 @@ def sequence_features(backend: Backend, prompt: list[int], response: list[int], 
     }
 
 
-def compute_features(backend: Backend, gen_dir: Path, feat_dir: Path, top_k: int = 16) -> Features:
-    """One shard of features per generation shard; existing shards are reused (resumable) when they were
-    computed from this data by this model in this dtype (``check_meta``)."""
-    check_meta(feat_dir, {"data": read_meta(gen_dir), "dtype": str(backend.dtype), "top_k": top_k})
-    gen_shards = shard_paths(gen_dir)
-    if not gen_shards:
-        raise CausalDraftError(f"no generated data in {gen_dir}")
-    todo = [path for path in gen_shards if not (feat_dir / path.name).is_file()]
+def compute_features(backend: Backend, data_dir: Path, feat_dir: Path, top_k: int = 16) -> Features:
+    """One shard of features per shard of answers in ``data_dir`` (``feature_data.generate_features``'s
+    folders); existing shards are reused (resumable) when they were computed from this data by this model in
+    this dtype (``check_meta``)."""
+    check_meta(feat_dir, {"data": read_meta(data_dir), "dtype": str(backend.dtype), "top_k": top_k})
+    data_shards = shard_paths(data_dir)
+    if not data_shards:
+        raise CausalDraftError(f"no generated data in {data_dir}")
+    todo = [path for path in data_shards if not (feat_dir / path.name).is_file()]
     with torch.inference_mode():
         for path in tqdm(todo, desc="hidden pass", unit="shard"):
-            shard = torch.load(path, weights_only=True)
             items = [
                 sequence_features(backend, prompt, response, top_k)
-                for prompt, response in zip(shard["prompts"], shard["responses"], strict=True)
+                for prompt, response in shard_answers(path)
                 if response
             ]
             merged = {

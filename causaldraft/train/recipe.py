@@ -1,5 +1,8 @@
 """The whole train-heads recipe: generate -> hidden pass -> train -> evaluate -> save.
 
+The target answers the prompts greedily with the batched generator of the eagle3 recipe and build-store
+(``feature_data.generate_features``: 48 sequences at a time on the native backend, resumable), into
+``heads-data``; the hidden pass then keeps each answer position's final hidden state (``features``).
 Generated data and features live in a work directory, so markov and medusa heads trained with the
 same ``work`` share exactly the same data; each data folder records the model, prompts and settings
 it was made with, and another model's or other prompts' data is refused (``data.check_meta``).
@@ -17,11 +20,15 @@ from causaldraft.drafters.heads import HEAD_KINDS, HeadsConfig, new_heads, save_
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
+from causaldraft.models.native import NativeLlama
 from causaldraft.paths import causaldraft_home
-from causaldraft.train.data import GenerationConfig, generate_data, order_suffix
+from causaldraft.train.data import order_suffix
 from causaldraft.train.evaluate import evaluate
+from causaldraft.train.feature_data import FeatureGenConfig, generate_features
 from causaldraft.train.features import compute_features, draft_vocabulary, split_features
 from causaldraft.train.trainer import TrainConfig, run_digest, train
+
+HEADS_DATA = FeatureGenConfig(tokens=80_000, max_new_tokens=160)  # the heads' data by default: small and quick
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,7 @@ class Recipe:
     dtype: str = "bfloat16"  # of the target in the hidden pass
     top_k: int = 16
     eval_every: int = 20
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    generation: FeatureGenConfig = HEADS_DATA
     training: TrainConfig = field(default_factory=TrainConfig)
     command: str = ""
 
@@ -52,19 +59,22 @@ class Recipe:
 def run_recipe(recipe: Recipe) -> dict[str, object]:
     timings: dict[str, float] = {}
     loaded = load_model(recipe.model, "native", recipe.dtype)
-    work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
-    started = time.perf_counter()
-    suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
-    generated = generate_data(loaded.model_dir, recipe.prompts, work / f"gen{suffix}", recipe.generation,
-                              loaded.base_fingerprint)  # fmt: skip
-    timings["generate_s"] = time.perf_counter() - started
+    backend = loaded.backend
+    if not isinstance(backend, NativeLlama):
+        raise CausalDraftError("train-heads needs the native backend")
+    use_batch_products(backend)  # answers are generated 48 rows at a time; the hidden pass reads whole sequences
     torch.set_num_threads(recipe.generation.threads)
-    use_batch_products(loaded.backend)  # the hidden pass reads whole sequences at a time
+    work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
+    suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
+    data_dir = work / f"heads-data{suffix}"
     started = time.perf_counter()
-    features = compute_features(loaded.backend, work / f"gen{suffix}", work / f"features{suffix}", recipe.top_k)
+    response_tokens, _ = generate_features(backend, loaded.tokenizer, recipe.prompts, data_dir, (), recipe.generation,
+                                           loaded.fingerprint)  # fmt: skip
+    timings["generate_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    features = compute_features(backend, data_dir, work / f"heads-features{suffix}", recipe.top_k)
     timings["features_s"] = time.perf_counter() - started
     train_set, eval_set = split_features(features, recipe.eval_every)
-    backend = loaded.backend
     vocab_size = backend.shape.vocab_size
     vocab_ids = draft_vocabulary(train_set, vocab_size, recipe.draft_vocab)
     config = HeadsConfig(recipe.kind, recipe.num_heads, backend.shape.hidden_size, vocab_size,
@@ -84,8 +94,8 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     coverage = float(torch.isin(eval_set.tokens, vocab_ids).float().mean())
     summary: dict[str, object] = {
         "command": recipe.command,
-        "response_tokens": generated.response_tokens,
-        "sequences": len(generated.responses),
+        "response_tokens": response_tokens,
+        "sequences": features.segments,
         "train_rows": int(train_set.tokens.numel()),
         "eval_rows": int(eval_set.tokens.numel()),
         "steps": recipe.training.steps,

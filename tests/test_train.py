@@ -16,7 +16,13 @@ from causaldraft.models.loading import load_model
 from causaldraft.train.data import encode_prompts, mix_prompts, read_prompts
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.feature_data import shard_answers
-from causaldraft.train.features import compute_features, draft_vocabulary, split_features
+from causaldraft.train.features import (
+    LAST_ROW_LOGPROB,
+    answer_features,
+    draft_vocabulary,
+    sequence_features,
+    split_features,
+)
 from causaldraft.train.trainer import TrainConfig, train
 from tests.tiny import byte_tokenizer
 
@@ -122,21 +128,35 @@ def test_a_rerun_at_another_learning_rate_trains_instead_of_reloading_the_finish
 
 
 def test_feature_segments_follow_the_documented_layout(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
+    """The rows kept while generating are what one pass over each whole answer computes (``sequence_features``):
+    the same tokens and top-k, the same hidden states up to bf16 rounding; the last row is the documented
+    placeholder."""
     work = trained["work"]
-    answers = shard_answers(sorted((work / "heads-data").glob("shard_*.pt"))[0])
+    answers = [answer for path in sorted((work / "heads-data").glob("shard_*.pt")) for answer in shard_answers(path)]
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
-    features = compute_features(tiny.backend, work / "heads-data", work / "heads-features")
-    prompt, response = answers[0]
-    segment = features.tokens[: len(response) + 1].tolist()
-    assert segment == prompt[-1:] + response
-    assert int(features.ends[0]) == len(response)
-    # each row's top-1 is the target's greedy next token (the response was generated greedily)
-    assert features.topk_ids[: len(response), 0].tolist() == response
+    features = answer_features(work / "heads-data")
+    assert features.segments == len(answers) and features.hidden.dtype == torch.bfloat16
+    start = 0
+    for prompt, response in answers[:6]:
+        end = int(features.ends[start])
+        assert end - start == len(response)
+        assert features.tokens[start : end + 1].tolist() == prompt[-1:] + response
+        # each row's top-1 is the target's greedy next token (the response was generated greedily)
+        assert features.topk_ids[start:end, 0].tolist() == response
+        with torch.inference_mode():
+            whole = sequence_features(tiny.backend, prompt, response, features.topk_ids.shape[1])
+        assert torch.equal(features.topk_ids[start:end], whole["topk_ids"][:-1].long())
+        torch.testing.assert_close(features.topk_logprobs[start:end], whole["topk_logprobs"][:-1].float(),
+                                   atol=2e-3, rtol=1e-3)  # fmt: skip
+        torch.testing.assert_close(features.hidden[start:end].float(), whole["hidden"][:-1].float(), atol=0.02,
+                                   rtol=0.02)  # fmt: skip
+        assert not features.hidden[end].any() and (features.topk_logprobs[end] == LAST_ROW_LOGPROB).all()
+        start = end + 1
 
 
 def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_llama_dir: Path) -> None:
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
-    features = compute_features(tiny.backend, trained["work"] / "heads-data", trained["work"] / "heads-features")
+    features = answer_features(trained["work"] / "heads-data")
     train_set, eval_set = split_features(features, eval_every=5)
     assert train_set.tokens.numel() + eval_set.tokens.numel() == features.tokens.numel()
     shape = tiny.backend.shape
@@ -156,7 +176,7 @@ def test_training_reduces_the_loss_and_evaluates(trained: dict[str, Path], tiny_
 
 def test_checkpoint_resume_matches_one_run(trained: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path) -> None:
     tiny = load_model(str(tiny_llama_dir), "native", "float32")
-    features = compute_features(tiny.backend, trained["work"] / "heads-data", trained["work"] / "heads-features")
+    features = answer_features(trained["work"] / "heads-data")
     shape = tiny.backend.shape
     vocab_ids = draft_vocabulary(features, shape.vocab_size, 128)
     embed = tiny.backend.embed(torch.arange(shape.vocab_size)).detach().float()
@@ -225,3 +245,12 @@ def test_flags_of_the_other_drafter_kind_are_refused_and_explicit_values_are_kep
     chosen, default = recipes
     assert (chosen.training.lr, chosen.generation.batch_size, chosen.generation.threads) == (0.002, 32, 1)  # type: ignore[attr-defined]
     assert default.training.lr == 1e-3 and default.generation.batch_size == 48  # type: ignore[attr-defined]
+
+
+def test_answers_without_hidden_states_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "meta.json").write_text(json.dumps({"fingerprint": "x", "aux_layers": [], "top_k": 16}))
+    with pytest.raises(CausalDraftError, match="keeps no hidden states"):
+        answer_features(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"hidden": True}))
+    with pytest.raises(CausalDraftError, match="no generated data"):
+        answer_features(tmp_path)

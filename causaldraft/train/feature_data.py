@@ -4,13 +4,16 @@ The target answers the training prompts (its own chat template; greedily, or sam
 seeded per prompt so a resumed run draws the same tokens) in a batch of ``batch_size``
 rows, each row its own sequence: when a row finishes (EOS or ``max_new_tokens``) the next prompt is
 prefilled into it (a few at a time), so the batch stays full. While generating, every fed token's
-auxiliary features (the inputs of the ``aux_layers``, concatenated) and every response token's
+auxiliary features (the inputs of the ``aux_layers``, concatenated; the eagle3 layer's), with
+``keep_hidden`` its final hidden state (the Markov and Medusa heads'), and every response token's
 top-k target log-probabilities are kept: no second pass over the data.
 
 One record per sequence of prompt length P and response length R (L = P + R tokens):
 - ``tokens`` [L]: prompt + response (the response ends with EOS unless cut at max_new_tokens);
 - ``features`` [L - 1, len(aux_layers) * hidden]: features of positions 0 .. L-2 (every token the
   target was fed; the last response token never is);
+- ``hidden`` [L - 1, hidden] bfloat16 with ``keep_hidden`` (else [L - 1, 0]): the final (normed) hidden
+  states of the same positions, what the LM head reads;
 - ``topk_ids`` / ``topk_logprobs`` [R, k]: the target's distribution at positions P-1 .. L-2, the
   one each response token was chosen from.
 Example: prompt [a, b], response [c, EOS] -> tokens [a, b, c, EOS], features of a, b, c, top-k at
@@ -83,6 +86,7 @@ class Row:
     tokens: list[int]
     prompt_length: int
     features: list[torch.Tensor] = field(default_factory=list)  # [m, F] chunks
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [m, hidden] bf16 chunks ([m, 0]: not kept)
     topk_ids: list[torch.Tensor] = field(default_factory=list)  # [k] per response token
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
 
@@ -113,6 +117,7 @@ class ShardWriter:
             "prompt_lengths": torch.tensor([row.prompt_length for row in self.rows]),
             "tokens": torch.tensor([token for row in self.rows for token in row.tokens], dtype=torch.int32),
             "features": torch.cat([chunk for row in self.rows for chunk in row.features]),
+            "hidden": torch.cat([chunk for row in self.rows for chunk in row.hidden]),
             "topk_ids": torch.stack([ids for row in self.rows for ids in row.topk_ids]).to(torch.int32),
             "topk_logprobs": torch.stack([lp for row in self.rows for lp in row.topk_logprobs]).half(),
             "seconds": torch.tensor(self.seconds),
@@ -162,15 +167,18 @@ def top_candidates(
 
 
 def data_meta(
-    fingerprint: str, aux_layers: tuple[int, ...], config: FeatureGenConfig, prompts: str
+    fingerprint: str, aux_layers: tuple[int, ...], config: FeatureGenConfig, prompts: str, keep_hidden: bool = False
 ) -> dict[str, object]:
-    """What a data folder's sequences depend on (the temperature only when sampled, so greedy
-    folders made before it existed still resume). ``prompts``: ``prompts_digest`` of the encoded prompts."""
+    """What a data folder's sequences depend on (the temperature only when sampled and ``hidden`` only when
+    kept, so folders made before either existed still resume). ``prompts``: ``prompts_digest`` of the encoded
+    prompts."""
     meta: dict[str, object] = {"fingerprint": fingerprint, "aux_layers": list(aux_layers), "top_k": config.top_k,
                                "max_new_tokens": config.max_new_tokens, "seed": config.seed}  # fmt: skip
     meta["prompts"] = prompts
     if config.temperature > 0:
         meta["temperature"] = config.temperature
+    if keep_hidden:
+        meta["hidden"] = True
     return meta
 
 
@@ -182,10 +190,13 @@ def generate_features(
     aux_layers: tuple[int, ...],
     config: FeatureGenConfig,
     fingerprint: str,
+    keep_hidden: bool = False,
 ) -> tuple[int, float]:
-    """Generate (or resume) until ``config.tokens`` response tokens exist; returns (tokens, seconds)."""
+    """Generate (or resume) until ``config.tokens`` response tokens exist; returns (tokens, seconds).
+    ``keep_hidden``: also keep every fed token's final hidden state (the heads' input)."""
     prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
-    check_meta(directory, data_meta(fingerprint, aux_layers, config, prompts_digest(prompts)), added=("prompts",))
+    meta = data_meta(fingerprint, aux_layers, config, prompts_digest(prompts), keep_hidden)
+    check_meta(directory, meta, added=("prompts",))
     done, total, seconds = done_prompts(directory)
     if total >= config.tokens:
         return total, seconds
@@ -203,12 +214,12 @@ def generate_features(
             if queue and (len(free) >= config.refill or len(free) == batch):
                 began = time.perf_counter()
                 taken, queue = queue[: len(free)], queue[len(free) :]
-                prefill_rows(model, cache, rows, free[: len(taken)], taken, prompts, config, aux_layers)
+                prefill_rows(model, cache, rows, free[: len(taken)], taken, prompts, config, aux_layers, keep_hidden)
                 writer.seconds += time.perf_counter() - began
             if all(row is None for row in rows):
                 break
             began = time.perf_counter()
-            finished = decode_step(model, cache, rows, config, aux_layers, eos)
+            finished = decode_step(model, cache, rows, config, aux_layers, eos, keep_hidden)
             writer.seconds += time.perf_counter() - began
             for row in finished:
                 writer.add(row)
@@ -228,6 +239,7 @@ def prefill_rows(
     prompts: list[list[int]],
     config: FeatureGenConfig,
     aux_layers: tuple[int, ...],
+    keep_hidden: bool,
 ) -> None:
     """Prefill prompts (right-padded together) into free batch rows; pick each first response token."""
     width = max(len(prompts[index]) for index in prompt_indices)
@@ -238,6 +250,7 @@ def prefill_rows(
     positions = torch.arange(width)[None].expand(len(prompt_indices), width)
     hidden, features = batched_forward(model, tokens, positions, small, aux_layers)  # [r, width, h]
     features = hidden[..., :0] if features is None else features  # no aux layers: [r, width, 0]
+    kept = hidden.to(torch.bfloat16) if keep_hidden else hidden[..., :0]  # [r, width, hidden or 0]
     cache.copy_rows(small, torch.tensor(slots), width)
     lengths = torch.tensor([len(prompts[index]) for index in prompt_indices])
     last = hidden[torch.arange(len(prompt_indices)), lengths - 1]  # [r, h]
@@ -247,6 +260,7 @@ def prefill_rows(
         length = len(prompts[index])
         state = Row(index, [*prompts[index], chosen[row]], length)
         state.features.append(features[row, :length].clone())
+        state.hidden.append(kept[row, :length].clone())
         state.topk_ids.append(ids[row].clone())
         state.topk_logprobs.append(logprobs[row].clone())
         rows[slot] = state
@@ -259,6 +273,7 @@ def decode_step(
     config: FeatureGenConfig,
     aux_layers: tuple[int, ...],
     eos: int,
+    keep_hidden: bool,
 ) -> list[Row]:
     """Feed every row's newest token; rows that end (EOS, max_new_tokens) are returned and freed.
     Free rows compute a throwaway token at slot 0 (refilled before they are read)."""
@@ -277,12 +292,14 @@ def decode_step(
         positions[slot, 0] = len(row.tokens) - 1
     hidden, features = batched_forward(model, tokens, positions, cache, aux_layers)
     features = hidden[..., :0] if features is None else features  # no aux layers: [B, 1, 0]
+    kept = hidden.to(torch.bfloat16) if keep_hidden else hidden[..., :0]  # [B, 1, hidden or 0]
     ids, logprobs, full = top_candidates(model, hidden[:, 0], config.top_k)
     slots = [slot for slot, _ in live]
     live_logprobs = full if len(slots) == len(rows) else full[slots]
     chosen = config.choose(live_logprobs, [(row.prompt_index, len(row.tokens)) for _, row in live])
     for (slot, row), token in zip(live, chosen, strict=True):
         row.features.append(features[slot, :1].clone())
+        row.hidden.append(kept[slot, :1].clone())
         row.topk_ids.append(ids[slot].clone())
         row.topk_logprobs.append(logprobs[slot].clone())
         row.tokens.append(token)

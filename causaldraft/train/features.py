@@ -1,14 +1,17 @@
-"""One target pass over the generated answers: last hidden states and top-k next-token log-probs.
+"""The heads' training rows: final hidden states and top-k next-token log-probs along each answer.
 
-The answers come from ``feature_data.generate_features`` without auxiliary layers (the batched
-generator of the eagle3 recipe and of build-store); the heads then need each position's final hidden
-state, which this pass computes, one sequence at a time.
+The answers come from ``feature_data.generate_features`` with ``keep_hidden`` (the batched generator of
+the eagle3 recipe and of build-store), which keeps every fed token's final hidden state and every
+response token's top-k while generating: no second pass over the data (``answer_features``).
 
-For a sequence of prompt length P and response length R, the stored *segment* covers positions
+For a sequence of prompt length P and response length R, the *segment* covers positions
 P-1 .. P+R-1 (R + 1 rows): tokens[j] is the token at position P-1+j, hidden[j] the target's final
 hidden state there (it predicts tokens[j + 1]), topk_ids[j] / topk_logprobs[j] the target's top-k
 next-token distribution there. Example: prompt [a, b], response [c, d] -> segment tokens [b, c, d],
-hidden[0] is h(b) which predicted c.
+hidden[0] is h(b) which predicted c. The last row's token was never fed to the target, so it has no
+hidden state or distribution: it holds zeros and a flat placeholder (``LAST_ROW_LOGPROB``), which
+nothing reads (a training row needs two more rows in its segment, and a label comes from the row
+before its token).
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
-from causaldraft.train.data import check_meta, read_meta, shard_paths
-from causaldraft.train.feature_data import shard_answers
+from causaldraft.train.data import read_meta, shard_paths
+from causaldraft.train.feature_data import read_shard
 
 
 @dataclass(frozen=True)
@@ -66,48 +68,45 @@ def sequence_features(backend: Backend, prompt: list[int], response: list[int], 
     }
 
 
-def compute_features(backend: Backend, data_dir: Path, feat_dir: Path, top_k: int = 16) -> Features:
-    """One shard of features per shard of answers in ``data_dir`` (``feature_data.generate_features``'s
-    folders); existing shards are reused (resumable) when they were computed from this data by this model in
-    this dtype (``check_meta``)."""
-    check_meta(feat_dir, {"data": read_meta(data_dir), "dtype": str(backend.dtype), "top_k": top_k})
-    data_shards = shard_paths(data_dir)
-    if not data_shards:
+LAST_ROW_LOGPROB = -1e4  # a segment's last row's top-k log-probs: finite (a softmax of them is flat), weight ~0
+
+
+def answer_features(data_dir: Path) -> Features:
+    """The segments of every answer in ``data_dir``, a ``generate_features(..., keep_hidden=True)`` folder."""
+    if not (read_meta(data_dir) or {}).get("hidden"):
+        raise CausalDraftError(f"{data_dir} keeps no hidden states (made without keep_hidden); use another --work")
+    paths = shard_paths(data_dir)
+    if not paths:
         raise CausalDraftError(f"no generated data in {data_dir}")
-    todo = [path for path in data_shards if not (feat_dir / path.name).is_file()]
-    with torch.inference_mode():
-        for path in tqdm(todo, desc="hidden pass", unit="shard"):
-            items = [
-                sequence_features(backend, prompt, response, top_k)
-                for prompt, response in shard_answers(path)
-                if response
-            ]
-            merged = {
-                name: [item[name] for item in items] for name in ("tokens", "hidden", "topk_ids", "topk_logprobs")
-            }
-            merged["lengths"] = [torch.tensor([len(item["tokens"]) for item in items])]
-            target = feat_dir / path.name
-            torch.save({name: torch.cat(values) for name, values in merged.items()}, target.with_suffix(".tmp"))
-            target.with_suffix(".tmp").rename(target)
-    return load_features(feat_dir)
-
-
-def load_features(feat_dir: Path) -> Features:
-    parts = []
-    for path in shard_paths(feat_dir):
-        try:
-            parts.append(torch.load(path, weights_only=True))
-        except (OSError, RuntimeError, EOFError) as error:
-            raise CausalDraftError(f"corrupt feature shard {path}: {error}; delete it to recompute") from error
-    if not parts:
-        raise CausalDraftError(f"no feature shards in {feat_dir}")
-    lengths = torch.cat([part["lengths"] for part in parts]).long()
+    parts: dict[str, list[torch.Tensor]] = {"tokens": [], "hidden": [], "topk_ids": [], "topk_logprobs": []}
+    lengths: list[int] = []
+    for path in paths:
+        shard = read_shard(path)
+        full, prompt_lengths = shard["lengths"].tolist(), shard["prompt_lengths"].tolist()
+        responses = [length - prompt for length, prompt in zip(full, prompt_lengths, strict=True)]
+        tokens = shard["tokens"].long().split(full)
+        hidden = shard["hidden"].split([length - 1 for length in full])  # [L - 1, hidden] each
+        ids = shard["topk_ids"].long().split(responses)  # [R, k] each
+        logprobs = shard["topk_logprobs"].float().split(responses)
+        for index, (prompt, response) in enumerate(zip(prompt_lengths, responses, strict=True)):
+            if not response:
+                continue
+            parts["tokens"].append(tokens[index][prompt - 1 :])  # [R + 1]
+            last_hidden = hidden[index].new_zeros(1, hidden[index].shape[1])
+            parts["hidden"].append(torch.cat((hidden[index][prompt - 1 :], last_hidden)))
+            parts["topk_ids"].append(torch.cat((ids[index], ids[index].new_zeros(1, ids[index].shape[1]))))
+            last_logprobs = logprobs[index].new_full((1, logprobs[index].shape[1]), LAST_ROW_LOGPROB)
+            parts["topk_logprobs"].append(torch.cat((logprobs[index], last_logprobs)))
+            lengths.append(response + 1)
+    if not lengths:
+        raise CausalDraftError(f"no answers in {data_dir}")
+    counts = torch.tensor(lengths)
     return Features(
-        tokens=torch.cat([part["tokens"] for part in parts]).long(),
-        hidden=torch.cat([part["hidden"] for part in parts]),
-        topk_ids=torch.cat([part["topk_ids"] for part in parts]).long(),
-        topk_logprobs=torch.cat([part["topk_logprobs"] for part in parts]).float(),
-        ends=torch.repeat_interleave(lengths.cumsum(0) - 1, lengths),
+        tokens=torch.cat(parts["tokens"]),
+        hidden=torch.cat(parts["hidden"]),
+        topk_ids=torch.cat(parts["topk_ids"]),
+        topk_logprobs=torch.cat(parts["topk_logprobs"]),
+        ends=torch.repeat_interleave(counts.cumsum(0) - 1, counts),
         segments=len(lengths),
     )
 

@@ -2,7 +2,7 @@
 
 The target answers the prompts greedily with the batched generator of the eagle3 recipe and build-store
 (``feature_data.generate_features``: 48 sequences at a time on the native backend, resumable), into
-``heads-data``; the hidden pass then keeps each answer position's final hidden state (``features``).
+``heads-data``, keeping each position's final hidden state and top-k as it goes (``features``).
 Generated data and features live in a work directory, so markov and medusa heads trained with the
 same ``work`` share exactly the same data; each data folder records the model, prompts and settings
 it was made with, and another model's or other prompts' data is refused (``data.check_meta``).
@@ -25,7 +25,7 @@ from causaldraft.paths import causaldraft_home
 from causaldraft.train.data import order_suffix
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
-from causaldraft.train.features import compute_features, draft_vocabulary, split_features
+from causaldraft.train.features import answer_features, draft_vocabulary, split_features
 from causaldraft.train.trainer import TrainConfig, run_digest, train
 
 HEADS_DATA = FeatureGenConfig(tokens=80_000, max_new_tokens=160)  # the heads' data by default: small and quick
@@ -40,8 +40,7 @@ class Recipe:
     num_heads: int = 5
     draft_vocab: int = 8192
     work: Path | None = None
-    dtype: str = "bfloat16"  # of the target in the hidden pass
-    top_k: int = 16
+    dtype: str = "bfloat16"  # of the target that answers the prompts
     eval_every: int = 20
     generation: FeatureGenConfig = HEADS_DATA
     training: TrainConfig = field(default_factory=TrainConfig)
@@ -62,18 +61,16 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     backend = loaded.backend
     if not isinstance(backend, NativeLlama):
         raise CausalDraftError("train-heads needs the native backend")
-    use_batch_products(backend)  # answers are generated 48 rows at a time; the hidden pass reads whole sequences
+    use_batch_products(backend)  # answers are generated 48 rows at a time
     torch.set_num_threads(recipe.generation.threads)
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
     data_dir = work / f"heads-data{suffix}"
     started = time.perf_counter()
     response_tokens, _ = generate_features(backend, loaded.tokenizer, recipe.prompts, data_dir, (), recipe.generation,
-                                           loaded.fingerprint)  # fmt: skip
+                                           loaded.fingerprint, keep_hidden=True)  # fmt: skip
     timings["generate_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    features = compute_features(backend, data_dir, work / f"heads-features{suffix}", recipe.top_k)
-    timings["features_s"] = time.perf_counter() - started
+    features = answer_features(data_dir)
     train_set, eval_set = split_features(features, recipe.eval_every)
     vocab_size = backend.shape.vocab_size
     vocab_ids = draft_vocabulary(train_set, vocab_size, recipe.draft_vocab)

@@ -1,4 +1,4 @@
-"""The whole train-heads recipe: generate -> hidden pass -> train -> evaluate -> save.
+"""The whole train-heads recipe: generate (with hidden states) -> train -> evaluate -> save.
 
 The target answers the prompts greedily with the batched generator of the eagle3 recipe and build-store
 (``feature_data.generate_features``: 48 sequences at a time on the native backend, resumable), into

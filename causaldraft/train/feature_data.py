@@ -12,10 +12,10 @@ One record per sequence of prompt length P and response length R (L = P + R toke
 - ``tokens`` [L]: prompt + response (the response ends with EOS unless cut at max_new_tokens);
 - ``features`` [L - 1, len(aux_layers) * hidden]: features of positions 0 .. L-2 (every token the
   target was fed; the last response token never is);
-- ``hidden`` [L - 1, hidden] bfloat16 with ``keep_hidden`` (else [L - 1, 0]): the final (normed) hidden
-  states of the same positions, what the LM head reads;
 - ``topk_ids`` / ``topk_logprobs`` [R, k]: the target's distribution at positions P-1 .. L-2, the
-  one each response token was chosen from.
+  one each response token was chosen from;
+- ``hidden`` [R, hidden] bfloat16 with ``keep_hidden`` (else [R, 0]): the final (normed) hidden states
+  at the same positions, what the LM head read there (the prompt's other positions are not kept).
 Example: prompt [a, b], response [c, EOS] -> tokens [a, b, c, EOS], features of a, b, c, top-k at
 b (for c) and at c (for EOS).
 
@@ -86,7 +86,7 @@ class Row:
     tokens: list[int]
     prompt_length: int
     features: list[torch.Tensor] = field(default_factory=list)  # [m, F] chunks
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [m, hidden] bf16 chunks ([m, 0]: not kept)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [1, hidden] bf16 per response token ([1, 0]: not kept)
     topk_ids: list[torch.Tensor] = field(default_factory=list)  # [k] per response token
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
 
@@ -250,17 +250,17 @@ def prefill_rows(
     positions = torch.arange(width)[None].expand(len(prompt_indices), width)
     hidden, features = batched_forward(model, tokens, positions, small, aux_layers)  # [r, width, h]
     features = hidden[..., :0] if features is None else features  # no aux layers: [r, width, 0]
-    kept = hidden.to(torch.bfloat16) if keep_hidden else hidden[..., :0]  # [r, width, hidden or 0]
     cache.copy_rows(small, torch.tensor(slots), width)
     lengths = torch.tensor([len(prompts[index]) for index in prompt_indices])
     last = hidden[torch.arange(len(prompt_indices)), lengths - 1]  # [r, h]
+    kept = last.to(torch.bfloat16) if keep_hidden else last[:, :0]  # [r, hidden or 0]
     ids, logprobs, full = top_candidates(model, last, config.top_k)
     chosen = config.choose(full, [(index, len(prompts[index])) for index in prompt_indices])
     for row, (slot, index) in enumerate(zip(slots, prompt_indices, strict=True)):
         length = len(prompts[index])
         state = Row(index, [*prompts[index], chosen[row]], length)
         state.features.append(features[row, :length].clone())
-        state.hidden.append(kept[row, :length].clone())
+        state.hidden.append(kept[row : row + 1].clone())
         state.topk_ids.append(ids[row].clone())
         state.topk_logprobs.append(logprobs[row].clone())
         rows[slot] = state

@@ -85,7 +85,7 @@ def answer_features(data_dir: Path) -> Features:
         full, prompt_lengths = shard["lengths"].tolist(), shard["prompt_lengths"].tolist()
         responses = [length - prompt for length, prompt in zip(full, prompt_lengths, strict=True)]
         tokens = shard["tokens"].long().split(full)
-        hidden = shard["hidden"].split([length - 1 for length in full])  # [L - 1, hidden] each
+        hidden = shard["hidden"].split(responses)  # [R, hidden] each
         ids = shard["topk_ids"].long().split(responses)  # [R, k] each
         logprobs = shard["topk_logprobs"].float().split(responses)
         for index, (prompt, response) in enumerate(zip(prompt_lengths, responses, strict=True)):
@@ -93,7 +93,7 @@ def answer_features(data_dir: Path) -> Features:
                 continue
             parts["tokens"].append(tokens[index][prompt - 1 :])  # [R + 1]
             last_hidden = hidden[index].new_zeros(1, hidden[index].shape[1])
-            parts["hidden"].append(torch.cat((hidden[index][prompt - 1 :], last_hidden)))
+            parts["hidden"].append(torch.cat((hidden[index], last_hidden)))
             parts["topk_ids"].append(torch.cat((ids[index], ids[index].new_zeros(1, ids[index].shape[1]))))
             last_logprobs = logprobs[index].new_full((1, logprobs[index].shape[1]), LAST_ROW_LOGPROB)
             parts["topk_logprobs"].append(torch.cat((logprobs[index], last_logprobs)))

@@ -355,12 +355,13 @@ class TextTracker:
 
     def add(self, tokens: list[int]) -> tuple[int, str]:
         for count, token in enumerate(tokens, 1):
-            settled = len(self.settled_text) if self.windowed else 0
+            settled = len(self.settled_text)
             self.extend(token)
             if self.stops:
                 # every earlier text was searched, and the settled text begins every later one: a new stop
-                # string ends past it (the rest, a held-back U+FFFD, may have become another character)
-                start = max(0, settled - self.longest_stop + 1)
+                # string ends past it (the rest, a held-back U+FFFD, may have become another character); a whole
+                # decode is searched whole
+                start = max(0, settled - self.longest_stop + 1) if self.windowed else 0
                 found = [at for stop in self.stops if (at := self.text.find(stop, start)) >= 0]
                 if found:
                     self.text = self.text[: min(found)]

@@ -30,6 +30,7 @@ from causaldraft.serve.metrics import Metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
 from causaldraft.serve.worker import (
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
     Event,
     Failed,
     Finished,
@@ -42,7 +43,6 @@ from causaldraft.serve.worker import (
     param_of,
 )
 
-DEFAULT_MAX_QUEUE = 16
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")

@@ -6,8 +6,7 @@ import argparse
 import threading
 
 from causaldraft.flags import add_drafter_flags, add_model_flags, engine_config
-from causaldraft.serve.app import DEFAULT_MAX_QUEUE
-from causaldraft.serve.worker import DEFAULT_MAX_BATCH
+from causaldraft.serve.worker import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE
 
 SERVE_DEFAULT_DRAFTER = "auto"  # registry.auto_choice: --heads DIR's drafter, a shipped eagle3 layer, lookup
 

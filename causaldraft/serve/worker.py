@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # chat has no OpenAI default: capped by the context left
 DEFAULT_MAX_BATCH = 8  # requests decoded together
+DEFAULT_MAX_QUEUE = 16  # requests waiting beyond those (more get 429)
 
 
 class QueueFull(Exception):

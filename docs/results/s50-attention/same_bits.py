@@ -1,8 +1,15 @@
-"""Save (or compare with) the attention kernel's outputs on many cases: trees, chains, batches, head sizes, dtypes."""
+"""Save (or compare with) the attention kernel's outputs on 385 cases: trees, chains, padded passes, two-sequence
+batches, head sizes 16-128, fp32 and bf16 caches; at one and two threads (which must agree). Run once on the old
+source (save), once on the new (compare):
+
+    CAUSALDRAFT_ATTENTION_KERNEL=avx512 .venv/bin/python docs/results/s50-attention/same_bits.py save /tmp/ref.pt
+    CAUSALDRAFT_ATTENTION_KERNEL=avx512 .venv/bin/python docs/results/s50-attention/same_bits.py compare /tmp/ref.pt
+"""
 import sys, torch, random
+from pathlib import Path
 from causaldraft.models import attention_kernel
 from causaldraft.models.blocked import blocked_keys, stack_keys
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.test_attention_kernel import tree_layout
 assert attention_kernel.available()
 def make():
@@ -41,8 +48,8 @@ for threads in (1, 2):
     again = [attention_kernel.attend(*c) for c in cases]
     assert all(torch.equal(a, b) for a, b in zip(outs, again)), "thread count changed bits"
 if sys.argv[1] == "save":
-    torch.save(outs, "/work/runs50/attn/reference.pt"); print("saved", len(outs))
+    torch.save(outs, sys.argv[2]); print("saved", len(outs))
 else:
-    ref = torch.load("/work/runs50/attn/reference.pt")
+    ref = torch.load(sys.argv[2])
     bad = [i for i, (a, b) in enumerate(zip(ref, outs)) if not torch.equal(a, b)]
     print("cases", len(outs), "differ", len(bad), bad[:10])

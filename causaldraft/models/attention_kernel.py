@@ -23,7 +23,9 @@ the CPU has AVX-512F, AVX-512 (a task per kv head and row, each key and value wi
 heads that share it, 16 lanes, eight horizontal sums at once). They give the same bits (a test runs
 both). On that machine, 30 layers of 9 heads over a bf16 cache of 448 positions (cache-warm, median of
 25), ms for 1 / 2 / 4 / 8 / 16 / 32 rows: AVX2 build 0.51 / 0.79 / 1.48 / 2.77 / 5.42 / 10.69, AVX-512
-build 0.35 / 0.48 / 0.81 / 1.47 / 2.83 / 5.73.
+build 0.35 / 0.48 / 0.81 / 1.47 / 2.83 / 5.73. Since stop 50 the AVX-512 build widens each key into registers once
+for its query heads (it had stored it and loaded it again per head): the same bits, 20-32 % less time
+(docs/exactness.md).
 
 The AMX build (since stop 45, where the CPU has AMX bf16 tiles; ``avx512`` forces the build above): bf16 caches
 of head size 64 through tiles, a task per kv head and up to 16 / group rows (another arithmetic: the query and the

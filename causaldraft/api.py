@@ -28,12 +28,13 @@ from causaldraft.adapt import (
     plausible_calibration,
 )
 from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
-from causaldraft.decode import Decoder, DecodeState, GenerationStats, PromptRead, decode_steps
+from causaldraft.decode import PROMPT_CHUNK, Decoder, DecodeState, GenerationStats, PromptRead, decode_steps
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend, Cache
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
+from causaldraft.prefix import PrefixStore
 from causaldraft.sampling import make_generator
 from causaldraft.threads import ThreadPolicy, prompt_on, thread_invariant
 
@@ -107,6 +108,7 @@ class Engine:
     drafter_name: str
     adapt: AdaptState
     threads: ThreadPolicy  # each step's thread count (carries over between requests, as ``adapt``)
+    prefixes: PrefixStore | None = None  # prompt prefixes kept between requests (prefix.py); None: off
 
     @property
     def compiled(self) -> bool:
@@ -193,7 +195,7 @@ class Engine:
         seeded = seed is not None and not sampling.greedy and not gumbel
         threads = None if seeded else self.threads
         started = time.perf_counter()
-        prompt_read = PromptRead(decoder, prompt_ids, max_new_tokens, generator, cache)
+        prompt_read = PromptRead(decoder, prompt_ids, max_new_tokens, generator, cache, self.prefixes)
         state = prompt_read.state
         if gumbel:
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
@@ -494,4 +496,5 @@ def load(
     full = torch.get_num_threads()
     adapt_threads = config.adapt_threads and thread_invariant(target.backend, full, target.prefill)
     threads = ThreadPolicy(full, VerifyCost(dict(cost.seconds), buckets=cost.buckets), enabled=adapt_threads)
-    return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config), threads)
+    prefixes = PrefixStore(config.prefix_cache_mb << 20, PROMPT_CHUNK) if config.prefix_cache_mb else None
+    return Engine(target, decoder, chosen.name, initial_adapt_state(tree_config), threads, prefixes)

@@ -167,6 +167,8 @@ class EngineConfig:
     lookup_merge: bool = True
     store: str | None = None  # n-gram store for prompt lookup; None: the shipped one when it fits the model
     use_store: bool = True
+    # prompt prefixes kept between requests (prefix.py), in MiB; 0: every prompt is read whole
+    prefix_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         for name in PATH_FIELDS:  # a pathlib.Path is as good as its string
@@ -181,6 +183,8 @@ class EngineConfig:
             raise CausalDraftError("compiling needs the native backend (--backend native)")
         if self.draft_layers < 1:
             raise CausalDraftError(f"draft layers must be >= 1, got {self.draft_layers}")
+        if self.prefix_cache_mb < 0:
+            raise CausalDraftError(f"the prefix cache's size must be >= 0 MiB, got {self.prefix_cache_mb}")
         self.tree_config  # noqa: B018  (validates the tree sizes)
         self.decode_config  # noqa: B018
 
@@ -216,7 +220,8 @@ class EngineConfig:
                                    ("--heads", self.heads, None), ("--store", self.store, None),
                                    ("--acceptance", self.acceptance, default.acceptance),
                                    ("--sampler", self.sampler, default.sampler),
-                                   ("--draft-layers", self.draft_layers, default.draft_layers)):  # fmt: skip
+                                   ("--draft-layers", self.draft_layers, default.draft_layers),
+                                   ("--prefix-cache-mb", self.prefix_cache_mb, default.prefix_cache_mb)):  # fmt: skip
             if value != unset:
                 parts += [flag, str(value)]
         for flag, enabled in (("--no-lookup-merge", self.lookup_merge), ("--no-store", self.use_store),

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from causaldraft.adapt import BudgetPolicy, VerifyCost
+from causaldraft.cache import KVCache
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError, ContextOverflow
 from causaldraft.models.base import Backend, Cache, ForwardOutput
+from causaldraft.prefix import PrefixStore, copy_prefix
 from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
 from causaldraft.tree import compile_tree, full_mask
@@ -38,6 +40,7 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0
     prefill_s: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt rows copied from a kept prefix instead of read (prefix.py)
     wall_s: float = 0.0
     steps: list[StepStats] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)  # steps that drafted >= d tokens deep
@@ -74,6 +77,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "draft_ms_per_step": round(1000 * sum(step.draft_s for step in self.steps) / steps, 3),
             "verify_ms_per_step": round(1000 * sum(step.verify_s for step in self.steps) / steps, 3),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
 
@@ -113,12 +117,16 @@ class PromptRead:
     speculative decoding, alone or batched, start from the same cache. ``state`` is ready for
     decoding steps once ``done``.
 
+    With ``prefixes`` (the engine's ``prefix.PrefixStore``), the first pass copies the longest kept
+    prefix of whole chunks instead of reading it (the same bits: ``prefix``), and the prompt's own
+    whole chunks are kept once it is read.
+
     Checks the request first (CausalDraftError): an empty prompt, or one that with max_new_tokens
     overruns the context; ``cache``, when given, must be empty (a batch's pool slot)."""
 
     def __init__(
         self, decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None,
-        cache: Cache | None = None,
+        cache: Cache | None = None, prefixes: PrefixStore | None = None,
     ) -> None:  # fmt: skip
         if not prompt:
             raise CausalDraftError("the prompt is empty")
@@ -139,6 +147,7 @@ class PromptRead:
         self.decoder = decoder
         self.state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
         self.features: list[torch.Tensor] = []  # the drafter's features of the rows read so far
+        self.prefixes = prefixes if isinstance(cache, KVCache) else None  # rows copied as they are: native caches
         self.done = False
 
     @property
@@ -152,6 +161,10 @@ class PromptRead:
             return 0
         started = time.perf_counter()
         state, decoder = self.state, self.decoder
+        # what the rows' bits depend on besides the tokens (the prompt is read on this many threads)
+        conditions = (torch.get_num_threads(), *decoder.drafter.feature_layers)
+        if self.prefixes is not None and not state.cache.length:
+            self.copy_kept_prefix(conditions)
         length, count = state.cache.length, min(PROMPT_CHUNK, self.rows_left)
         if count:
             tokens = torch.tensor(state.tokens[length : length + count], dtype=torch.long)
@@ -168,9 +181,25 @@ class PromptRead:
         if not self.rows_left:
             features = torch.cat(self.features) if self.features else None
             decoder.drafter.start(tuple(state.tokens), features)
+            if self.prefixes is not None and isinstance(state.cache, KVCache):
+                self.prefixes.keep(state.tokens, state.cache, features, conditions)
             self.features, self.done = [], True
         state.stats.prefill_s += time.perf_counter() - started
         return count
+
+    def copy_kept_prefix(self, conditions: tuple[int, ...]) -> None:
+        """Copy the longest kept prefix of the prompt into the empty cache (and its features)."""
+        state = self.state
+        if self.prefixes is None or not isinstance(state.cache, KVCache):
+            return
+        hit = self.prefixes.find(state.tokens[: state.prompt_length], conditions)
+        wants_features = bool(self.decoder.drafter.feature_layers)
+        if hit is None or (wants_features and hit.prefix.features is None):
+            return
+        copy_prefix(hit, state.cache)
+        if wants_features and hit.prefix.features is not None:
+            self.features.append(hit.prefix.features[: hit.rows])
+        state.stats.cached_prompt_tokens = hit.rows
 
 
 def prefill(

@@ -71,6 +71,10 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--no-store", action="store_true", help="prompt lookup in the text so far only")
     parser.add_argument("--no-adapt", action="store_true", help="fixed depth/width/budget")
     parser.add_argument("--no-fallback", action="store_true", help="never fall back to plain decoding")
+    parser.add_argument("--prefix-cache-mb", type=int, default=None,
+                        help="MiB of prompt prefixes kept between requests, copied instead of read again when a "
+                        f"prompt starts with one (the same bits; default {EngineConfig().prefix_cache_mb}, "
+                        "bench 0; 0: off)")  # fmt: skip
     parser.add_argument("--fixed-threads", action="store_true",
                         help="keep torch's thread count (default: one thread while other processes slow "
                         "the passes)")  # fmt: skip
@@ -86,6 +90,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         sampler=args.sampler, adapt=not args.no_adapt, fallback=not args.no_fallback, draft_model=args.draft_model,
         adapt_threads=not args.fixed_threads, draft_layers=args.draft_layers, heads=args.heads,
         lookup_merge=not args.no_lookup_merge, store=args.store, use_store=not args.no_store,
+        prefix_cache_mb=EngineConfig().prefix_cache_mb if args.prefix_cache_mb is None else args.prefix_cache_mb,
     )  # fmt: skip
 
 

@@ -324,6 +324,29 @@ def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
         assert spec.generate(prompt, chat=True, max_new_tokens=96).token_ids == expected, (drafter, prompt)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["lookup", "eagle3"])
+def test_default_model_decodes_a_kept_prefix_as_a_whole_read_in_int4_compiled(
+    default_int4_compiled: LoadedModel, drafter: str
+) -> None:
+    """The README's first command's setting: a chat whose second turn starts with the first turn's prompt
+    copies its whole chunks (prefix.py) and decodes what an engine reading every prompt whole decodes."""
+    from causaldraft.decode import PROMPT_CHUNK
+
+    reading = load(loaded=default_int4_compiled, drafter=drafter, compile=False, prefix_cache_mb=0)
+    keeping = load(loaded=default_int4_compiled, drafter=drafter, compile=False)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()[:2400]
+    first = [{"role": "user", "content": f"Summarise this in one line:\n{readme}"}]
+    answer = reading.generate(first, max_new_tokens=24)
+    second = [*first, {"role": "assistant", "content": answer.text}, {"role": "user", "content": "Now in French."}]
+    assert len(keeping.encode(first)) > 2 * PROMPT_CHUNK
+    for messages in (first, second):
+        expected = reading.generate(messages, max_new_tokens=64)
+        result = keeping.generate(messages, max_new_tokens=64)
+        assert result.token_ids == expected.token_ids
+    assert result.stats.cached_prompt_tokens >= 2 * PROMPT_CHUNK
+
+
 @pytest.fixture(scope="module")
 def bf16_onednn_compiled(tiny_llama_dir: Path, graph_root: Path) -> LoadedModel:
     """The tiny Llama in bf16 loaded with its kernel linears, compiled where oneDNN was chosen: plain linears."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from causaldraft.bench.harness import DEFAULT_BUDGETS, BenchConfig
 from causaldraft.bench.methods import parse_methods
@@ -48,6 +49,8 @@ def parse_budgets(text: str) -> tuple[int, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     engine = engine_config(args)
+    if args.prefix_cache_mb is None:  # each request from an empty cache, as the llama.cpp baseline (llm.reset())
+        engine = replace(engine, prefix_cache_mb=0)
     categories = tuple(part.strip() for part in (args.categories or "").split(",") if part.strip())
     return BenchConfig(prompts=args.prompts, methods=tuple(parse_methods(args.methods)), temperature=args.temperature,
                        max_new_tokens=args.max_new_tokens, limit=args.limit, categories=categories,

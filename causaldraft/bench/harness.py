@@ -35,7 +35,8 @@ class BenchConfig:
     prompts: str
     methods: tuple[str, ...]
     # the target and the engine settings every causaldraft method shares (compiled graphs by default)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    # each request from an empty cache (no kept prompt prefixes), as the llama.cpp baseline (llm.reset())
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(prefix_cache_mb=0))
     temperature: float = 0.0
     max_new_tokens: int = 256
     limit: int | None = None

@@ -123,11 +123,12 @@ def parse_body(model: type[RequestModel], raw: bytes) -> RequestModel:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # OpenAI's prompt_tokens_details.cached_tokens: prompt tokens not read again
 
-    def body(self) -> dict[str, int]:
+    def body(self) -> dict[str, Any]:
         total = self.prompt_tokens + self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": total}  # fmt: skip
+                "total_tokens": total, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
 
 
 class Mailbox:
@@ -379,7 +380,7 @@ def create_app(
             if isinstance(event, Piece):
                 texts.append(event.text)
             elif isinstance(event, Finished):
-                usage = Usage(event.prompt_tokens, event.completion_tokens)
+                usage = Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
                 return JSONResponse(
                     reply.body([reply.choice("".join(texts), event.finish_reason, False)], False, usage)
                 )
@@ -403,7 +404,8 @@ def create_app(
                         last["delta"] = {}  # OpenAI's last chunk: an empty delta with the finish reason
                     yield sse(reply.body([last], True, None, include_usage))
                     if include_usage:
-                        yield sse(reply.body([], True, Usage(event.prompt_tokens, event.completion_tokens)))
+                        usage = Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                        yield sse(reply.body([], True, usage))
                     break
                 elif isinstance(event, Failed):
                     error_type = ERROR_TYPES.get(event.status, "server_error")

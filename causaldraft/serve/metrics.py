@@ -21,6 +21,7 @@ class Metrics:
     responses: Counter[tuple[str, int]] = field(default_factory=Counter)  # (path, status) -> count
     outcomes: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, copied from kept prefixes (prefix.py)
     generated_tokens: int = 0
     target_forwards: int = 0
     draft_positions: int = 0  # per step, the tree's depth: draft tokens that could have been accepted
@@ -56,6 +57,7 @@ class Metrics:
             self.request_rate_sum += rate
             self.requests_timed += 1
             self.prompt_tokens += prompt_tokens
+            self.cached_prompt_tokens += stats.cached_prompt_tokens
             self.generated_tokens += stats.new_tokens
             self.target_forwards += stats.target_forwards
             self.draft_positions += sum(stats.depth_attempts)
@@ -75,6 +77,8 @@ class Metrics:
             lines += metric("generations_total", "counter", "generation jobs by outcome",
                             [(f'outcome="{outcome}"', self.outcomes[outcome]) for outcome in OUTCOMES])  # fmt: skip
             lines += metric("prompt_tokens_total", "counter", "prompt tokens processed", [("", self.prompt_tokens)])
+            lines += metric("cached_prompt_tokens_total", "counter", "prompt tokens copied from kept prefixes",
+                            [("", self.cached_prompt_tokens)])  # fmt: skip
             lines += metric("generated_tokens_total", "counter", "tokens generated", [("", self.generated_tokens)])
             lines += metric("target_forwards_total", "counter", "target model passes (decoding steps)",
                             [("", self.target_forwards)])  # fmt: skip

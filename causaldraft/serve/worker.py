@@ -79,6 +79,7 @@ class Finished:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens copied from a kept prefix (prefix.py), not read again
 
 
 @dataclass(frozen=True)
@@ -245,7 +246,8 @@ class Worker:
                 if isinstance(item, Completion):
                     seconds = time.perf_counter() - active.started
                     self.metrics.record_generation(item.stats, item.prompt_tokens, seconds)
-                    done = Finished(item.finish_reason, item.prompt_tokens, active.completion_tokens)
+                    done = Finished(item.finish_reason, item.prompt_tokens, active.completion_tokens,
+                                    item.stats.cached_prompt_tokens)  # fmt: skip
                     self.leave(ident, "completed", done)
                     break
                 active.completion_tokens += len(item.token_ids)

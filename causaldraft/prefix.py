@@ -111,6 +111,12 @@ class PrefixStore:
             self.entries.move_to_end(self.by_digest[digests[-1]].digests[-1])
             return
         rows = chunks * self.chunk
+        row_bytes = sum(buffer.shape[0] * buffer.shape[2] * buffer.element_size() for buffer in cache.keys)
+        row_bytes += sum(buffer.shape[0] * buffer.shape[2] * buffer.element_size() for buffer in cache.values)
+        if features is not None:
+            row_bytes += features.shape[1] * features.element_size()
+        if rows * row_bytes > self.max_bytes:  # larger than the whole store: not copied at all
+            return
         prefix = Prefix(
             rows,
             tuple(keys[:, :rows].clone() for keys in cache.keys),
@@ -118,11 +124,9 @@ class PrefixStore:
             None if features is None else features[:rows].clone(),
             tuple(digests),
         )
-        if prefix.nbytes > self.max_bytes:
-            return
-        for digest in digests:  # shorter entries of the same prompt: this one serves all their prompts
+        for digest in digests:  # entries this one extends: it serves all their prompts
             older = self.by_digest.get(digest)
-            if older is not None:
+            if older is not None and older.digests == tuple(digests[: len(older.digests)]):
                 self.drop(older)
         while self.entries and self.nbytes + prefix.nbytes > self.max_bytes:
             self.drop(next(iter(self.entries.values())))
@@ -132,10 +136,16 @@ class PrefixStore:
         self.nbytes += prefix.nbytes
 
     def drop(self, prefix: Prefix) -> None:
+        """Forget an entry; a chunk boundary it shares with another entry (two prompts that part after
+        it) is then found through that one."""
         del self.entries[prefix.digests[-1]]
         for digest in prefix.digests:
             if self.by_digest.get(digest) is prefix:
-                del self.by_digest[digest]
+                holder = next((entry for entry in self.entries.values() if digest in entry.digests), None)
+                if holder is None:
+                    del self.by_digest[digest]
+                else:
+                    self.by_digest[digest] = holder
         self.nbytes -= prefix.nbytes
 
 

@@ -106,6 +106,21 @@ class FeatureRecorder(NoDrafter):
         self.started.append(features)
 
 
+def test_prompts_that_part_after_a_shared_chunk_keep_both_branches() -> None:
+    entry = 2 * 2 * 2 * 2 * 4  # bytes of two rows (as above)
+    store = PrefixStore(5 * entry, chunk=2)
+    store.keep([1, 2, 3, 4, 5, 6, 0], numbered_cache(6), None, ())  # chunks [1, 2] [3, 4] [5, 6]
+    store.keep([1, 2, 7, 8, 0], numbered_cache(4), None, ())  # parts after [1, 2]: both kept
+    assert len(store.entries) == 2 and store.nbytes == 5 * entry
+    first, second = store.find([1, 2, 3, 4, 5, 6, 9, 9], ()), store.find([1, 2, 7, 8, 9, 9], ())
+    assert first is not None and first.rows == 6 and second is not None and second.rows == 4
+    store.drop(second.prefix)
+    shared = store.find([1, 2, 9, 9], ())  # [1, 2] is still held by the first prompt's entry
+    assert shared is not None and shared.rows == 2 and shared.prefix is first.prefix
+    store.drop(first.prefix)
+    assert store.find([1, 2, 9, 9], ()) is None and not store.by_digest and store.nbytes == 0
+
+
 def read(engine: Engine, prompt: list[int], prefixes: PrefixStore | None) -> tuple[PromptRead, torch.Tensor | None]:
     """The prompt cached by a decoder whose drafter records its features; returns them too."""
     recorder = FeatureRecorder()

@@ -135,6 +135,12 @@ class PrefixStore:
             self.by_digest[digest] = prefix
         self.nbytes += prefix.nbytes
 
+    def clear(self) -> None:
+        """Forget every kept prefix (``engine.prefixes.clear()``)."""
+        self.entries.clear()
+        self.by_digest.clear()
+        self.nbytes = 0
+
     def drop(self, prefix: Prefix) -> None:
         """Forget an entry; a chunk boundary it shares with another entry (two prompts that part after
         it) is then found through that one."""

@@ -119,6 +119,9 @@ def test_prompts_that_part_after_a_shared_chunk_keep_both_branches() -> None:
     assert shared is not None and shared.rows == 2 and shared.prefix is first.prefix
     store.drop(first.prefix)
     assert store.find([1, 2, 9, 9], ()) is None and not store.by_digest and store.nbytes == 0
+    store.keep([1, 2, 3, 4, 5, 6, 0], numbered_cache(6), None, ())
+    store.clear()
+    assert store.find([1, 2, 3, 4, 5, 6, 0], ()) is None and not store.entries and store.nbytes == 0
 
 
 def read(engine: Engine, prompt: list[int], prefixes: PrefixStore | None) -> tuple[PromptRead, torch.Tensor | None]:

@@ -7,6 +7,7 @@ strings and max_new_tokens end the output at exactly the same token as plain dec
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError, ContextOverflow
 from causaldraft.models.base import Backend, Cache, ForwardOutput
-from causaldraft.prefix import PrefixStore, copy_prefix
+from causaldraft.prefix import PrefixStore, copy_chunks
 from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
 from causaldraft.tree import compile_tree, full_mask
@@ -117,9 +118,9 @@ class PromptRead:
     speculative decoding, alone or batched, start from the same cache. ``state`` is ready for
     decoding steps once ``done``.
 
-    With ``prefixes`` (the engine's ``prefix.PrefixStore``), the first pass copies the longest kept
-    prefix of whole chunks instead of reading it (the same bits: ``prefix``), and the prompt's own
-    whole chunks are kept once it is read.
+    With ``prefixes`` (the engine's ``prefix.PrefixStore``), each pass first copies the kept chunks
+    that continue the cached prefix instead of reading them (the same bits: ``prefix``), and each whole
+    chunk it reads is kept.
 
     Checks the request first (CausalDraftError): an empty prompt, or one that with max_new_tokens
     overruns the context; ``cache``, when given, must be empty (a batch's pool slot)."""
@@ -147,6 +148,8 @@ class PromptRead:
         self.decoder = decoder
         self.state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
         self.features: list[torch.Tensor] = []  # the drafter's features of the rows read so far
+        if prefixes is not None and prefixes.chunk != PROMPT_CHUNK:
+            raise ValueError(f"a prefix store for prompts keeps chunks of {PROMPT_CHUNK} rows, not {prefixes.chunk}")
         self.prefixes = prefixes if isinstance(cache, KVCache) else None  # rows copied as they are: native caches
         self.done = False
 
@@ -163,8 +166,7 @@ class PromptRead:
         state, decoder = self.state, self.decoder
         # what the rows' bits depend on besides the tokens (the prompt is read on this many threads)
         conditions = (torch.get_num_threads(), *decoder.drafter.feature_layers)
-        if self.prefixes is not None and not state.cache.length:
-            self.copy_kept_prefix(conditions)
+        self.copy_kept_chunks(conditions)
         length, count = state.cache.length, min(PROMPT_CHUNK, self.rows_left)
         if count:
             tokens = torch.tensor(state.tokens[length : length + count], dtype=torch.long)
@@ -178,28 +180,28 @@ class PromptRead:
             state.hidden = out.hidden[-1]
             if out.aux is not None:
                 self.features.append(out.aux)
+            whole_chunk = count == PROMPT_CHUNK and not length % PROMPT_CHUNK
+            if self.prefixes is not None and isinstance(state.cache, KVCache) and whole_chunk:
+                prompt = state.tokens[: state.prompt_length]
+                self.prefixes.keep(prompt, length // PROMPT_CHUNK, state.cache, out.aux, conditions)
         if not self.rows_left:
             features = torch.cat(self.features) if self.features else None
             decoder.drafter.start(tuple(state.tokens), features)
-            if self.prefixes is not None and isinstance(state.cache, KVCache):
-                self.prefixes.keep(state.tokens, state.cache, features, conditions)
             self.features, self.done = [], True
         state.stats.prefill_s += time.perf_counter() - started
         return count
 
-    def copy_kept_prefix(self, conditions: tuple[int, ...]) -> None:
-        """Copy the longest kept prefix of the prompt into the empty cache (and its features)."""
+    def copy_kept_chunks(self, conditions: tuple[int, ...]) -> None:
+        """Copy the kept chunks that continue the cached prefix (and their features) into the cache."""
         state = self.state
-        if self.prefixes is None or not isinstance(state.cache, KVCache):
+        if self.prefixes is None or not isinstance(state.cache, KVCache) or state.cache.length % PROMPT_CHUNK:
             return
-        hit = self.prefixes.find(state.tokens[: state.prompt_length], conditions)
-        wants_features = bool(self.decoder.drafter.feature_layers)
-        if hit is None or (wants_features and hit.prefix.features is None):
-            return
-        copy_prefix(hit, state.cache)
-        if wants_features and hit.prefix.features is not None:
-            self.features.append(hit.prefix.features[: hit.rows])
-        state.stats.cached_prompt_tokens = hit.rows
+        found = self.prefixes.find(state.tokens[: state.prompt_length], state.cache.length // PROMPT_CHUNK, conditions)
+        if self.decoder.drafter.feature_layers:  # conditions name the feature layers: kept chunks carry them
+            found = list(itertools.takewhile(lambda kept: kept.features is not None, found))
+            self.features.extend(kept.features for kept in found if kept.features is not None)
+        copy_chunks(found, state.cache)
+        state.stats.cached_prompt_tokens += sum(kept.rows for kept in found)
 
 
 def prefill(

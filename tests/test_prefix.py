@@ -22,7 +22,7 @@ from causaldraft.drafters.base import NoDrafter
 from causaldraft.errors import CausalDraftError
 from causaldraft.flags import engine_config
 from causaldraft.models.loading import LoadedModel, load_model
-from causaldraft.prefix import PrefixStore, chunk_digests, copy_prefix
+from causaldraft.prefix import PrefixStore, chunk_digests, copy_chunks
 from causaldraft.serve.app import create_app
 from causaldraft.serve.metrics import parse_metrics
 from causaldraft.serve.server import BackgroundServer
@@ -54,44 +54,56 @@ def test_digests_chain_over_whole_chunks_and_the_conditions() -> None:
     assert chunk_digests(tokens, 2, 2, (2,))[0] != digests[0]  # another thread count or feature layers
 
 
-def test_the_longest_kept_prefix_is_found_and_a_row_is_always_left_to_read() -> None:
+def keep_all(store: PrefixStore, prompt: list[int], conditions: tuple[int, ...] = ()) -> None:
+    """Keep every whole chunk of ``prompt`` from a numbered cache, as a prompt read keeps them."""
+    rows = len(prompt) - 1
+    cache = numbered_cache(rows)
+    for index in range(rows // store.chunk):
+        store.keep(prompt, index, cache, None, conditions)
+
+
+def test_the_kept_chunks_that_continue_a_prefix_are_found_and_a_row_is_always_left_to_read() -> None:
     store = PrefixStore(1 << 20, chunk=2)
-    prompt = [1, 2, 3, 4, 5, 6, 7]  # 6 rows cached: 3 whole chunks
-    store.keep(prompt, numbered_cache(6), None, (1,))
-    hit = store.find([1, 2, 3, 4, 5, 6, 9, 9], (1,))
-    assert hit is not None and hit.rows == 6
-    hit = store.find([1, 2, 3, 4, 5, 6, 7], (1,))  # the same prompt: its last row is read again
-    assert hit is not None and hit.rows == 4
-    hit = store.find([1, 2, 3, 0, 5, 6, 7], (1,))
-    assert hit is not None and hit.rows == 2
-    assert store.find([1, 2, 3, 4, 5, 6, 7], (2,)) is None
-    assert store.find([0, 2, 3, 4, 5, 6, 7], (1,)) is None
-    assert store.find([1, 2, 3], (1,)) is None  # 2 rows to cache: nothing may be copied
+    keep_all(store, [1, 2, 3, 4, 5, 6, 7], (1,))  # 6 rows cached: 3 whole chunks
+    assert len(store.chunks) == 3
+    assert sum(kept.rows for kept in store.find([1, 2, 3, 4, 5, 6, 9, 9], 0, (1,))) == 6
+    assert sum(kept.rows for kept in store.find([1, 2, 3, 4, 5, 6, 7], 0, (1,))) == 4  # its last row is read again
+    assert sum(kept.rows for kept in store.find([1, 2, 3, 4, 5, 6, 9, 9], 1, (1,))) == 4  # from chunk 1 on
+    assert sum(kept.rows for kept in store.find([1, 2, 3, 0, 5, 6, 7], 0, (1,))) == 2
+    assert store.find([1, 2, 3, 4, 5, 6, 7], 0, (2,)) == []
+    assert store.find([0, 2, 3, 4, 5, 6, 7], 0, (1,)) == []
+    assert store.find([1, 2, 3], 0, (1,)) == []  # 2 rows to cache: nothing may be copied
     cache = KVCache(2, 1, 2, 64, torch.float32)
-    copy_prefix(store.find([1, 2, 3, 4, 5, 0, 0], (1,)), cache)  # type: ignore[arg-type]
+    copy_chunks(store.find([1, 2, 3, 4, 5, 0, 0], 0, (1,)), cache)
     assert cache.length == 4
     assert cache.keys[1][0, :4, 0].tolist() == [0, 1, 2, 3] and cache.values[0][0, :4, 1].tolist() == [0, -1, -2, -3]
-    with pytest.raises(ValueError, match="empty cache"):
-        copy_prefix(store.find([1, 2, 3, 4, 5, 0, 0], (1,)), cache)  # type: ignore[arg-type]
+    copy_chunks(store.find([1, 2, 3, 4, 5, 6, 0, 0], 2, (1,)), cache)  # appended after what is cached
+    assert cache.length == 6 and cache.keys[0][0, :6, 1].tolist() == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="not cached yet"):
+        store.keep([8, 8, 8, 8], 0, numbered_cache(1), None, ())
 
 
-def test_a_longer_prefix_replaces_the_entry_it_extends_and_the_oldest_goes_first() -> None:
-    entry = 2 * 2 * 2 * 2 * 4  # bytes of two rows: 2 layers x (keys + values) x [1, 2, 2] float32
-    store = PrefixStore(3 * entry, chunk=2)
-    store.keep([1, 2, 3], numbered_cache(2), None, ())
-    store.keep([1, 2, 3, 4, 5], numbered_cache(4), None, ())  # extends the first: replaces it
-    assert len(store.entries) == 1 and store.nbytes == 2 * entry
-    store.keep([1, 2, 3, 4, 5], numbered_cache(4), None, ())  # kept already: nothing new
-    assert len(store.entries) == 1 and store.nbytes == 2 * entry
-    store.keep([7, 8, 9], numbered_cache(2), None, ())
-    assert store.nbytes == 3 * entry
-    store.find([1, 2, 3, 4, 5, 6], ())  # the first entry used again: [7, 8] is now the oldest
-    store.keep([4, 4, 9], numbered_cache(2), None, ())
-    assert store.find([7, 8, 9, 9], ()) is None
-    assert store.find([1, 2, 3, 4, 5, 6], ()) is not None and store.find([4, 4, 9, 9], ()) is not None
-    store.keep([5, 5, 5, 5, 5, 5, 5, 5, 5], numbered_cache(8), None, ())  # larger than the store: not kept
-    assert store.find([5, 5, 5, 5, 5, 5, 5, 5, 5], ()) is None and store.nbytes == 3 * entry
-    assert PrefixStore(0, 2).find([1, 2, 3, 4], ()) is None
+def test_prompts_that_part_after_a_shared_chunk_share_it_and_the_oldest_leaf_goes_first() -> None:
+    chunk_bytes = 2 * 2 * 2 * 2 * 4  # two rows: 2 layers x (keys + values) x [1, 2, 2] float32
+    store = PrefixStore(4 * chunk_bytes, chunk=2)
+    keep_all(store, [1, 2, 3, 4, 5, 6, 0])  # chunks [1, 2] [3, 4] [5, 6]
+    keep_all(store, [1, 2, 7, 8, 0])  # parts after [1, 2]: one more chunk, [1, 2] held once
+    assert len(store.chunks) == 4 and store.nbytes == 4 * chunk_bytes
+    assert sum(kept.rows for kept in store.find([1, 2, 3, 4, 5, 6, 9, 9], 0, ())) == 6
+    assert sum(kept.rows for kept in store.find([1, 2, 7, 8, 9, 9], 0, ())) == 4  # now the newest
+    keep_all(store, [9, 9, 0])  # full: the oldest chunk no other continues goes, [5, 6]
+    assert sum(kept.rows for kept in store.find([1, 2, 3, 4, 5, 6, 9, 9], 0, ())) == 4
+    assert sum(kept.rows for kept in store.find([9, 9, 0, 0], 0, ())) == 2
+    keep_all(store, [1, 2, 3, 4, 5, 6, 0])  # [5, 6] again: [7, 8], the oldest leaf, goes
+    assert sum(kept.rows for kept in store.find([1, 2, 7, 8, 9, 9], 0, ())) == 2
+    assert store.nbytes == 4 * chunk_bytes and sum(kept.children for kept in store.chunks.values()) == 2
+    store.keep([4, 4, 4, 4, 0], 1, numbered_cache(4), None, ())  # its parent [4, 4] is not kept: nor is it
+    assert store.find([4, 4, 4, 4, 0, 0], 0, ()) == []
+    larger = PrefixStore(chunk_bytes - 1, chunk=2)
+    keep_all(larger, [1, 2, 3])  # larger than the store: not kept
+    assert not larger.chunks and PrefixStore(0, 2).find([1, 2, 3, 4], 0, ()) == []
+    store.clear()
+    assert store.find([1, 2, 3, 4, 5, 6, 0], 0, ()) == [] and not store.chunks and store.nbytes == 0
 
 
 class FeatureRecorder(NoDrafter):
@@ -104,24 +116,6 @@ class FeatureRecorder(NoDrafter):
 
     def start(self, prompt: tuple[int, ...], features: torch.Tensor | None) -> None:
         self.started.append(features)
-
-
-def test_prompts_that_part_after_a_shared_chunk_keep_both_branches() -> None:
-    entry = 2 * 2 * 2 * 2 * 4  # bytes of two rows (as above)
-    store = PrefixStore(5 * entry, chunk=2)
-    store.keep([1, 2, 3, 4, 5, 6, 0], numbered_cache(6), None, ())  # chunks [1, 2] [3, 4] [5, 6]
-    store.keep([1, 2, 7, 8, 0], numbered_cache(4), None, ())  # parts after [1, 2]: both kept
-    assert len(store.entries) == 2 and store.nbytes == 5 * entry
-    first, second = store.find([1, 2, 3, 4, 5, 6, 9, 9], ()), store.find([1, 2, 7, 8, 9, 9], ())
-    assert first is not None and first.rows == 6 and second is not None and second.rows == 4
-    store.drop(second.prefix)
-    shared = store.find([1, 2, 9, 9], ())  # [1, 2] is still held by the first prompt's entry
-    assert shared is not None and shared.rows == 2 and shared.prefix is first.prefix
-    store.drop(first.prefix)
-    assert store.find([1, 2, 9, 9], ()) is None and not store.by_digest and store.nbytes == 0
-    store.keep([1, 2, 3, 4, 5, 6, 0], numbered_cache(6), None, ())
-    store.clear()
-    assert store.find([1, 2, 3, 4, 5, 6, 0], ()) is None and not store.entries and store.nbytes == 0
 
 
 def read(engine: Engine, prompt: list[int], prefixes: PrefixStore | None) -> tuple[PromptRead, torch.Tensor | None]:
@@ -140,7 +134,7 @@ def test_a_copied_prefix_is_the_cache_a_whole_read_writes(tiny_llama_dir: Path, 
     first, second = engine.encode(PROMPT_A), engine.encode(PROMPT_B)
     store = PrefixStore(1 << 26, PROMPT_CHUNK)
     read(engine, first, store)
-    assert len(store.entries) == 1
+    assert len(store.chunks) == 1
     (copied, copied_features), (whole, whole_features) = read(engine, second, store), read(engine, second, None)
     assert copied.state.stats.cached_prompt_tokens == PROMPT_CHUNK and not whole.state.stats.cached_prompt_tokens
     rows = len(second) - 1
@@ -196,6 +190,25 @@ def test_a_batch_copies_kept_prefixes_into_its_slots(models_by_dtype: dict[str, 
     while not all(stream.done for stream in streams):
         batch.step()
     assert [stream.run.state.stats.cached_prompt_tokens for stream in streams] == [PROMPT_CHUNK, PROMPT_CHUNK]
+    got = [[token for event in stream.events for token in getattr(event, "token_ids", [])] for stream in streams]
+    assert got == expected
+
+
+def test_a_prompt_joining_a_batch_copies_what_another_has_read_so_far(models_by_dtype: dict[str, LoadedModel]) -> None:
+    """Chunks are kept as they are read: B joins one step after A started reading the same first chunk."""
+    engine = load(loaded=models_by_dtype["int4"], drafter="lookup", calibrate=False, compile=False)
+    reading = load(loaded=models_by_dtype["int4"], drafter="lookup", calibrate=False, compile=False, prefix_cache_mb=0)
+    expected = [reading.generate(prompt, max_new_tokens=12).token_ids for prompt in (PROMPT_A, PROMPT_B)]
+    batch = Batch(engine, 2, context=512)
+    first = batch.add(PROMPT_A, max_new_tokens=12)
+    batch.step()
+    assert first.run.reading and len(engine.prefixes.chunks) == 1  # type: ignore[union-attr]
+    second = batch.add(PROMPT_B, max_new_tokens=12)
+    while not (first.done and second.done):
+        batch.step()
+    assert first.run.state.stats.cached_prompt_tokens == 0
+    assert second.run.state.stats.cached_prompt_tokens == PROMPT_CHUNK
+    streams = (first, second)
     got = [[token for event in stream.events for token in getattr(event, "token_ids", [])] for stream in streams]
     assert got == expected
 

@@ -1,4 +1,4 @@
-"""Command line: generate, show-tree, compile, export-heads, bench, train-heads, build-store, serve."""
+"""Command line: generate, chat, show-tree, compile, export-heads, bench, train-heads, build-store, serve."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(result.text)
     return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from causaldraft.chat import run_chat as chat
+
+    return chat(args)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -129,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafter_flags(generate, default_drafter="auto")
     add_sampling_flags(generate)
     generate.set_defaults(func=run_generate)
+
+    chat = commands.add_parser("chat", help="a conversation on the terminal: a message per line, answers streamed")
+    chat.add_argument("--system", default=None, help="the conversation's system message")
+    add_model_flags(chat)
+    add_drafter_flags(chat, default_drafter="auto")
+    add_sampling_flags(chat)
+    chat.set_defaults(func=run_chat)
 
     show = commands.add_parser("show-tree", help="print one step's draft tree and attention mask")
     show.add_argument("--prompt", required=True)

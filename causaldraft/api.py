@@ -27,10 +27,11 @@ from causaldraft.adapt import (
     measure_verify_cost,
     plausible_calibration,
 )
-from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens
+from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens, validate_top_logprobs
 from causaldraft.decode import PROMPT_CHUNK, Decoder, DecodeState, GenerationStats, PromptRead, decode_steps
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
+from causaldraft.logprobs import TokenLogprob
 from causaldraft.models.base import Backend, Cache
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
@@ -51,7 +52,7 @@ def token_id(item: object) -> int:
         raise CausalDraftError(f"token ids are integers, got {item!r}") from None
 
 
-REQUEST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat")
+REQUEST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat", "logprobs")
 
 
 def check_request_options(options: Mapping[str, object]) -> None:
@@ -65,6 +66,7 @@ def check_request_options(options: Mapping[str, object]) -> None:
     sampling = {name: options[name] for name in ("temperature", "top_p", "top_k", "seed") if name in options}
     SamplingConfig(**sampling)  # type: ignore[arg-type]
     stop_strings(options.get("stop"))
+    validate_top_logprobs(options.get("logprobs"))
     if not isinstance(options.get("chat", False), bool):
         raise CausalDraftError(f"chat must be True or False, got {options['chat']!r}")
 
@@ -83,12 +85,14 @@ class Generation:
     token_ids: list[int]  # new tokens only
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or stop string) | "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token id, with ``logprobs=`` (logprobs.py)
 
 
 @dataclass(frozen=True)
 class StreamPiece:
     text: str
     token_ids: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, with ``logprobs=``
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,7 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         chat: bool = False,
+        logprobs: int | None = None,
         decoder: Decoder | None = None,
         cache: Cache | None = None,
         read_prompt: bool = True,
@@ -177,13 +182,15 @@ class Engine:
         (``events`` drives one; a ``batch.Batch`` drives several together). ``decoder`` and
         ``cache``: a batched stream's own drafter and pool slot (default: the engine's, a new cache).
         ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
-        chunk per step). Raises CausalDraftError for bad input."""
+        chunk per step). ``logprobs``: each new token's log-probability with that many alternatives
+        (0-20; None: none), in the stream's pieces (``logprobs.py``). Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
         if not isinstance(chat, bool):
             raise CausalDraftError(f"chat must be True or False, got {chat!r}")
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         stops = stop_strings(stop)
+        top_logprobs = validate_top_logprobs(logprobs)
         prompt_ids = self.encode(prompt, chat)
         generator = None if sampling.greedy else make_generator(seed)
         gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel" and decoder.decode.acceptance == "lossless"
@@ -199,6 +206,8 @@ class Engine:
         state = prompt_read.state
         if gumbel:
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
+        if top_logprobs is not None:
+            state.logprobs, state.top_logprobs = [], top_logprobs
         adapt = initial_adapt_state(decoder.tree, timed=False) if seeded else self.adapt
         if decoder is not self.decoder:
             adapt = copy.deepcopy(adapt)  # a batched stream adapts on its own
@@ -212,8 +221,8 @@ class Engine:
     def events(self, prompt: Prompt, **options: Any) -> Iterator[StreamPiece | Completion]:
         """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
         the request is left on the engine (its adaptation state carries over, by design). Options:
-        those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat), checked at
-        once; the request starts at the first ``next``."""
+        those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat, logprobs),
+        checked at once; the request starts at the first ``next``."""
         check_request_options(options)
         return self.run_events(prompt, options)
 
@@ -232,14 +241,7 @@ class Engine:
         return (item.text for item in events if isinstance(item, StreamPiece) and item.text)
 
     def generate(self, prompt: Prompt, **options: object) -> Generation:
-        texts: list[str] = []
-        ids: list[int] = []
-        for item in self.events(prompt, **options):  # type: ignore[arg-type]
-            if isinstance(item, Completion):
-                return Generation("".join(texts), ids, item.stats, item.finish_reason)
-            texts.append(item.text)
-            ids.extend(item.token_ids)
-        raise AssertionError("events() ends with a Completion")
+        return as_generation(list(self.events(prompt, **options)), options.get("logprobs") is not None)
 
     def generate_batch(self, prompts: Sequence[Prompt], size: int = 8, **options: Any) -> list[Generation]:
         """Generate for every prompt, ``size`` decoded together (continuous batching: each step's
@@ -289,10 +291,13 @@ class RequestRun:
         return read
 
     def absorb(self, emitted: list[int]) -> list[StreamPiece]:
-        """A step's emitted tokens -> the text that may be shown (a stop string ends it there)."""
+        """A step's emitted tokens -> the text that may be shown (a stop string ends it there), with the
+        kept tokens' log-probabilities when asked for (the state's last ``len(emitted)``)."""
         kept, delta = self.text.add(emitted)
         self.kept_tokens += kept
-        return [StreamPiece(delta, emitted[:kept])] if kept or delta else []
+        logprobs = self.state.logprobs
+        step_logprobs = () if logprobs is None else tuple(logprobs[len(logprobs) - len(emitted) :][:kept])
+        return [StreamPiece(delta, emitted[:kept], step_logprobs)] if kept or delta else []
 
     def finish(self) -> list[StreamPiece | Completion]:
         """The held-back text, then the ``Completion``."""
@@ -302,6 +307,18 @@ class RequestRun:
         reason = "stop" if self.text.stopped else (self.state.finish_reason or "stop")
         stats = replace(self.state.stats, new_tokens=self.kept_tokens, wall_s=time.perf_counter() - self.started)
         return [*pieces, Completion(stats, reason, self.prompt_tokens)]
+
+
+def as_generation(events: list[StreamPiece | Completion], logprobs: bool) -> Generation:
+    """A request's events (ending with its ``Completion``) as one ``Generation``; ``logprobs``: they were asked for."""
+    completion = events[-1]
+    if not isinstance(completion, Completion):
+        raise AssertionError("a request's events end with a Completion")
+    pieces = [event for event in events if isinstance(event, StreamPiece)]
+    text = "".join(piece.text for piece in pieces)
+    ids = [token for piece in pieces for token in piece.token_ids]
+    entries = [entry for piece in pieces for entry in piece.logprobs] if logprobs else None
+    return Generation(text, ids, completion.stats, completion.finish_reason, entries)
 
 
 class TextTracker:

@@ -35,7 +35,16 @@ from causaldraft.adapt import (
     expected_tokens,
     plausible_calibration,
 )
-from causaldraft.api import Completion, Engine, Generation, Prompt, RequestRun, StreamPiece, quiet_graph_builds
+from causaldraft.api import (
+    Completion,
+    Engine,
+    Generation,
+    Prompt,
+    RequestRun,
+    StreamPiece,
+    as_generation,
+    quiet_graph_builds,
+)
 from causaldraft.cache import CachePool
 from causaldraft.decode import PROMPT_CHUNK, StepTiming, TreePass, accept_pass, draft_step, finish_step, tree_pass
 from causaldraft.drafters.base import Draft
@@ -332,16 +341,6 @@ def generate_batch(
             index, prompt = waiting.pop(0)
             owner[batch.add(prompt, **options).ident] = index
         for stream in batch.step():
-            results[owner[stream.ident]] = as_generation(stream.events)
+            results[owner[stream.ident]] = as_generation(stream.events, options.get("logprobs") is not None)
             batch.remove(stream)
     return [results[index] for index in range(len(prompts))]
-
-
-def as_generation(events: list[Event]) -> Generation:
-    """A finished stream's events as one ``Generation``."""
-    completion = events[-1]
-    assert isinstance(completion, Completion)
-    pieces = [event for event in events if isinstance(event, StreamPiece)]
-    text = "".join(piece.text for piece in pieces)
-    ids = [token for piece in pieces for token in piece.token_ids]
-    return Generation(text, ids, completion.stats, completion.finish_reason)

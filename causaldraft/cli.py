@@ -6,10 +6,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from causaldraft.config import DTYPES, SamplingConfig, TreeConfig, validate_max_new_tokens
+from causaldraft.config import (
+    DTYPES,
+    MAX_TOP_LOGPROBS,
+    SamplingConfig,
+    TreeConfig,
+    validate_max_new_tokens,
+    validate_top_logprobs,
+)
 from causaldraft.errors import CausalDraftError
 from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_config
+
+if TYPE_CHECKING:
+    from causaldraft.logprobs import TokenLogprob
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -18,6 +29,9 @@ def run_generate(args: argparse.Namespace) -> int:
     # the request's values are checked before any model loads: a bad one costs no load
     validate_max_new_tokens(args.max_new_tokens)
     SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    validate_top_logprobs(args.logprobs)
+    if args.logprobs is not None and not args.json:
+        raise CausalDraftError("--logprobs is printed in --json's object: add --json")
     engine = load(engine_config(args))
     options = {
         "max_new_tokens": args.max_new_tokens,
@@ -27,6 +41,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "stop": args.stop,
         "chat": args.chat,
+        "logprobs": args.logprobs,
     }
     if args.stream:
         for piece in engine.stream(args.prompt, **options):
@@ -40,10 +55,21 @@ def run_generate(args: argparse.Namespace) -> int:
                  "compiled": engine.compiled}  # fmt: skip
         payload = {"text": result.text, "token_ids": result.token_ids, "stats": stats,
                    "finish_reason": result.finish_reason}  # fmt: skip
+        if result.logprobs is not None:
+            payload["logprobs"] = logprobs_json(result.logprobs, engine.tokenizer)
         print(json.dumps(payload))
     else:
         print(result.text)
     return 0
+
+
+def logprobs_json(entries: Sequence[TokenLogprob], tokenizer: Any) -> list[dict[str, Any]]:
+    """``generate --json --logprobs N``: each new token's id, text and log-probability, with its alternatives."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token_id": token_id, "token": tokenizer.decode([token_id]), "logprob": logprob}
+
+    return [{**item(entry.token_id, entry.logprob), "top": [item(*best) for best in entry.top]} for entry in entries]
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -131,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     output = generate.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.add_argument("--logprobs", type=int, default=None, metavar="N",
+                          help=f"with --json: each new token's log-probability (the model's, before temperature, "
+                          f"top-k and top-p) and its N likeliest alternatives (0-{MAX_TOP_LOGPROBS})")  # fmt: skip
     add_model_flags(generate)
     add_drafter_flags(generate, default_drafter="auto")
     add_sampling_flags(generate)

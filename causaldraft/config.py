@@ -261,3 +261,18 @@ def validate_max_new_tokens(max_new_tokens: object) -> int:
     if max_new_tokens < 1:
         raise CausalDraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     return max_new_tokens
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request's logprobs may carry (OpenAI's chat limit, vLLM's default)
+
+
+def validate_top_logprobs(value: object) -> int | None:
+    """``logprobs`` as a request gives it: None (off) or the number of alternatives per token, 0..MAX_TOP_LOGPROBS
+    (0: the emitted tokens' own log-probabilities only; ``logprobs.py``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise CausalDraftError(
+            f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), got {value!r}"
+        )
+    return value

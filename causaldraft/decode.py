@@ -19,6 +19,7 @@ from causaldraft.cache import KVCache
 from causaldraft.config import DecodeConfig, SamplingConfig, TreeConfig
 from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError, ContextOverflow
+from causaldraft.logprobs import TokenLogprob, token_logprobs
 from causaldraft.models.base import Backend, Cache, ForwardOutput
 from causaldraft.prefix import PrefixStore, copy_chunks
 from causaldraft.sampling import gumbel_scores, warp_probs
@@ -93,6 +94,8 @@ class DecodeState:
     finished: bool = False
     finish_reason: str = ""
     noise_seed: int | None = None  # Gumbel sampling: the seed the noise of every position is keyed by
+    logprobs: list[TokenLogprob] | None = None  # each emitted token's (``logprobs.py``); None: not asked for
+    top_logprobs: int = 0  # alternatives kept per token with ``logprobs``
 
 
 @dataclass(frozen=True)
@@ -342,6 +345,8 @@ def finish_step(
     """After the verify pass: commit -> accept -> observe. Returns the emitted tokens."""
     features = commit_step(state, prefix_length, acceptance, out)
     emitted = accept_tokens(decoder, state, list(acceptance.tokens), max_new_tokens)
+    if state.logprobs is not None:  # emitted token i was chosen at row path[i] (logprobs.py)
+        state.logprobs.extend(token_logprobs(out.logits, acceptance.path[: len(emitted)], emitted, state.top_logprobs))
     decoder.drafter.observe(StepResult(draft, acceptance, tuple(state.tokens), features))
     accepted = len(acceptance.path) - 1
     # a step is speculative when it verified a draft beyond the root (plain decoding's steps never are)

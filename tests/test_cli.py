@@ -25,6 +25,19 @@ def test_generate_json_contract(tiny_llama_dir: Path, capsys: pytest.CaptureFixt
     assert payload["stats"]["mean_accepted"] == pytest.approx(12 / payload["stats"]["target_forwards"], abs=1e-3)
 
 
+def test_generate_json_carries_logprobs_when_asked(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["generate", "--no-compile", "--prompt", "abcabc", "--model", str(tiny_llama_dir), "--dtype", "int4",
+              "--max-new-tokens", "10", "--json", "--drafter", "lookup"]  # fmt: skip
+    assert main([*common, "--logprobs", "2"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    entries = payload["logprobs"]
+    assert [entry["token_id"] for entry in entries] == payload["token_ids"]
+    assert all(len(entry["top"]) == 2 and entry["top"][0]["token_id"] == entry["token_id"] for entry in entries)
+    assert all(entry["logprob"] == entry["top"][0]["logprob"] <= 0 for entry in entries)  # greedy: the likeliest
+    assert main(common) == 0
+    assert "logprobs" not in json.loads(capsys.readouterr().out)
+
+
 def test_generate_stream_prints_the_same_text(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     common = ["generate", "--no-compile", "--prompt", "abcabc", "--model", str(tiny_llama_dir), "--dtype", "float32",
               "--max-new-tokens", "10"]  # fmt: skip
@@ -77,7 +90,8 @@ def test_bad_input_is_one_clear_line(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [(["--top-p", "2"], "top_p"), (["--max-new-tokens", "0"], "max_new_tokens"),
-     (["--temperature", "nan"], "temperature"), (["--top-k", "-1"], "top_k")],
+     (["--temperature", "nan"], "temperature"), (["--top-k", "-1"], "top_k"),
+     (["--json", "--logprobs", "21"], "logprobs"), (["--logprobs", "2"], "add --json")],
 )  # fmt: skip
 def test_bad_request_values_are_refused_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str

@@ -326,6 +326,23 @@ def test_default_model_speculative_output_is_plain_decoding_in_int4_compiled(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["lookup", "eagle3"])
+def test_default_model_logprobs_are_plain_decoding_s_in_int4_compiled(
+    default_int4_compiled: LoadedModel, drafter: str
+) -> None:
+    """Each new token's log-probabilities, from verify passes, are the bits plain decoding reports (logprobs.py)."""
+    plain = load(loaded=default_int4_compiled, drafter="none", compile=False)
+    spec = load(loaded=default_int4_compiled, drafter=drafter, tree="dynamic", compile=False)
+    accepted = 0
+    for prompt in ("Name three planets and one fact about each.", "Write a haiku about rain."):
+        expected = plain.generate(prompt, chat=True, max_new_tokens=64, logprobs=5)
+        result = spec.generate(prompt, chat=True, max_new_tokens=64, logprobs=5)
+        assert result.token_ids == expected.token_ids and result.logprobs == expected.logprobs, (drafter, prompt)
+        accepted += sum(step.accepted for step in result.stats.steps)
+    assert accepted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["lookup", "eagle3"])
 def test_default_model_decodes_a_kept_prefix_as_a_whole_read_in_int4_compiled(
     default_int4_compiled: LoadedModel, drafter: str
 ) -> None:

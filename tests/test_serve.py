@@ -17,6 +17,7 @@ import pytest
 from causaldraft.api import Engine, load
 from causaldraft.cli import build_parser
 from causaldraft.serve.app import create_app
+from causaldraft.serve.logprob_bodies import TokenTexts
 from causaldraft.serve.metrics import Metrics, parse_metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES
 from causaldraft.serve.server import BackgroundServer
@@ -204,15 +205,19 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(n=3), "n"),
     ("chat/completions", chat(model="other"), "model"),
     ("completions", completion(echo=True), "echo"),
-    ("completions", completion(logprobs=5), "logprobs"),
-    ("completions", completion(logprobs=0), "logprobs"),
+    ("completions", completion(logprobs=21), "logprobs"),
+    ("completions", completion(logprobs=-1), "logprobs"),
+    ("completions", completion(logprobs=True), "logprobs"),
+    ("completions", completion(top_logprobs=2), "top_logprobs"),
     ("completions", completion(best_of=3), "best_of"),
     ("completions", completion(suffix="end"), "suffix"),
     ("completions", completion(logit_bias={"5": 10}), "logit_bias"),
     ("completions", completion(presence_penalty=0.5), "presence_penalty"),
     ("completions", completion(stream_options={"include_usage": True}), "stream_options"),
     ("completions", completion(top_k=-2), "top_k"),
-    ("chat/completions", chat(logprobs=True, top_logprobs=3), "logprobs"),
+    ("chat/completions", chat(logprobs=3), "logprobs"),
+    ("chat/completions", chat(top_logprobs=2), "top_logprobs"),
+    ("chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("chat/completions", chat(frequency_penalty=1.0), "frequency_penalty"),
     ("chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
@@ -291,6 +296,57 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked(server: BackgroundSe
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat(stream=True), timeout=120) as response:
         plain = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
     assert not any("usage" in chunk for chunk in plain)
+
+
+def sse_chunks(server: BackgroundServer, endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json=body, timeout=120) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
+
+
+def test_chat_logprobs_are_the_engine_s_in_openai_s_shape(
+    server: BackgroundServer, client: openai.OpenAI, reference: Engine
+) -> None:
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+                                            logprobs=True, top_logprobs=2)  # fmt: skip
+    choice = result.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None and result.usage is not None
+    content = choice.logprobs.content
+    expected = reference.generate(messages, max_new_tokens=12, logprobs=2)
+    assert expected.logprobs is not None and len(content) == result.usage.completion_tokens == len(expected.logprobs)
+    assert [entry.logprob for entry in content] == pytest.approx([item.logprob for item in expected.logprobs], abs=1e-5)
+    texts = TokenTexts(reference.tokenizer)
+    for entry, item in zip(content, expected.logprobs, strict=True):
+        assert entry.token == texts.text(item.token_id) and entry.bytes == texts.bytes(item.token_id)
+        assert [best.token for best in entry.top_logprobs] == [texts.text(token) for token, _ in item.top]
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the most likely token
+    streamed = sse_chunks(server, "chat/completions", chat(messages=messages, max_tokens=12, temperature=0,
+                                                           logprobs=True, top_logprobs=2, stream=True))  # fmt: skip
+    pieces = [entry for chunk in streamed if chunk["choices"] and (body := chunk["choices"][0]["logprobs"])
+              for entry in body["content"]]  # fmt: skip
+    assert [entry["token"] for entry in pieces] == [entry.token for entry in content]
+    assert [entry["logprob"] for entry in pieces] == pytest.approx([entry.logprob for entry in content], abs=1e-5)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_count_each_token_s_offset(
+    server: BackgroundServer, client: openai.OpenAI, reference: Engine
+) -> None:
+    result = client.completions.create(model=MODEL, prompt="Hello", max_tokens=10, temperature=0, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and result.usage is not None
+    expected = reference.generate("Hello", max_new_tokens=10, logprobs=2)
+    assert expected.logprobs is not None and len(logprobs.tokens) == result.usage.completion_tokens
+    assert logprobs.token_logprobs == pytest.approx([item.logprob for item in expected.logprobs], abs=1e-5)
+    texts = TokenTexts(reference.tokenizer)
+    assert logprobs.tokens == [texts.text(item.token_id) for item in expected.logprobs]
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:index])) for index in range(len(logprobs.tokens))]
+    assert logprobs.top_logprobs is not None and all(1 <= len(best) <= 2 for best in logprobs.top_logprobs)
+    streamed = sse_chunks(server, "completions", completion(prompt="Hello", max_tokens=10, logprobs=2, stream=True))
+    bodies = [chunk["choices"][0]["logprobs"] for chunk in streamed if chunk["choices"]]
+    assert [token for body in bodies if body for token in body["tokens"]] == logprobs.tokens
+    assert [offset for body in bodies if body for offset in body["text_offset"]] == logprobs.text_offset
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])

@@ -12,7 +12,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,6 +26,8 @@ from starlette.requests import ClientDisconnect
 
 from causaldraft.api import Engine
 from causaldraft.errors import CausalDraftError
+from causaldraft.logprobs import TokenLogprob
+from causaldraft.serve.logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
 from causaldraft.serve.metrics import Metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
 from causaldraft.serve.worker import (
@@ -202,13 +204,22 @@ class Reply:
     model: str
     request_id: str
     created: int
+    texts: TokenTexts | None = None  # the tokens' texts for ``logprobs``; None: the request asked for none
 
-    def choice(self, text: str, finish_reason: str | None, stream: bool) -> dict[str, Any]:
+    def choice(
+        self, text: str, finish_reason: str | None, stream: bool, entries: Sequence[TokenLogprob] = (), offset: int = 0
+    ) -> dict[str, Any]:
+        """A choice with ``entries``' log-probabilities when asked for (``offset``: the text before, streaming)."""
+        logprobs = None
+        if self.texts is not None:
+            logprobs = (
+                chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts, offset)
+            )
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         key = "delta" if stream else "message"
         content: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def body(
         self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None, include_usage: bool = False
@@ -239,6 +250,7 @@ def create_app(
     worker = Worker(engine, metrics, max_queue, max_batch)
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="causaldraft-tokenize")
     served_model = model_name or engine.model.model_dir.name
+    token_texts = TokenTexts(engine.tokenizer)
     created = int(time.time())
 
     @asynccontextmanager
@@ -308,16 +320,18 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await read_body(request))
         generation = generation_request(body, prompt=body.prompt_input(), messages=None, max_tokens=body.max_tokens)
-        return await respond(request, body, generation, Reply(False, served_model, f"cmpl-{uuid.uuid4().hex}",
-                                                              int(time.time())))  # fmt: skip
+        return await respond(request, body, generation, reply(False, "cmpl", generation))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await read_body(request))
         generation = generation_request(body, prompt=None, messages=body.chat_messages(),
                                         max_tokens=body.requested_max_tokens())  # fmt: skip
-        return await respond(request, body, generation, Reply(True, served_model, f"chatcmpl-{uuid.uuid4().hex}",
-                                                              int(time.time())))  # fmt: skip
+        return await respond(request, body, generation, reply(True, "chatcmpl", generation))
+
+    def reply(chat: bool, kind: str, generation: GenerationRequest) -> Reply:
+        texts = token_texts if generation.logprobs is not None else None
+        return Reply(chat, served_model, f"{kind}-{uuid.uuid4().hex}", int(time.time()), texts)
 
     def generation_request(
         body: GenerationParams, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
@@ -330,7 +344,7 @@ def create_app(
             raise ApiError(400, f"max_tokens {max_tokens} exceeds the model's context of {worker.context_length} "
                            "tokens", "max_tokens")  # fmt: skip
         return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops(),
-                                 body.sampling_top_k)  # fmt: skip
+                                 body.sampling_top_k, body.requested_logprobs())  # fmt: skip
 
     async def respond(
         request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply
@@ -375,31 +389,51 @@ def create_app(
 
     async def collect(request: Request, inbox: Inbox, job: Job, reply: Reply) -> JSONResponse:
         texts: list[str] = []
+        entries: list[TokenLogprob] = []
         while True:
             event = await wait_event(request, inbox, job)
             if isinstance(event, Piece):
                 texts.append(event.text)
+                entries.extend(event.logprobs)
             elif isinstance(event, Finished):
                 usage = Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                return JSONResponse(
-                    reply.body([reply.choice("".join(texts), event.finish_reason, False)], False, usage)
-                )
+                choice = reply.choice("".join(texts), event.finish_reason, False, entries)
+                return JSONResponse(reply.body([choice], False, usage))
             elif isinstance(event, Failed):
                 raise ApiError(event.status, event.message, event.param)
 
     async def stream(inbox: Inbox, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks; if the client goes away, starlette cancels this generator and the job stops."""
+        """SSE chunks; if the client goes away, starlette cancels this generator and the job stops. Tokens whose
+        text is held back (a stop string's start, part of a character) send their log-probabilities with the next
+        text, or in a chunk of their own before the finishing one."""
+        pending: list[TokenLogprob] = []  # log-probabilities of tokens not sent yet
+        offset = 0  # the characters of the tokens sent so far (the legacy ``text_offset``)
+
+        def chunk(text: str) -> bytes:
+            nonlocal offset
+            choice = reply.choice(text, None, True, pending, offset)
+            if choice["logprobs"] is not None and not reply.chat:
+                offset += sum(len(token) for token in choice["logprobs"]["tokens"])
+            pending.clear()
+            return sse(reply.body([choice], True, None, include_usage))
+
         try:
             if reply.chat:
                 first = reply.choice("", None, True)
                 first["delta"]["role"] = "assistant"
+                first["logprobs"] = None
                 yield sse(reply.body([first], True, None, include_usage))
             while True:
                 event = await inbox.next(None)
-                if isinstance(event, Piece) and event.text:
-                    yield sse(reply.body([reply.choice(event.text, None, True)], True, None, include_usage))
+                if isinstance(event, Piece):
+                    pending.extend(event.logprobs)
+                    if event.text:
+                        yield chunk(event.text)
                 elif isinstance(event, Finished):
+                    if pending:
+                        yield chunk("")
                     last = reply.choice("", event.finish_reason, True)
+                    last["logprobs"] = None
                     if reply.chat:
                         last["delta"] = {}  # OpenAI's last chunk: an empty delta with the finish reason
                     yield sse(reply.body([last], True, None, include_usage))

@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
 cannot honour are rejected with a clear message when they ask for something (``n`` other than 1,
-several prompts, ``echo``, ``logprobs``, penalties, ``logit_bias``, tools, a JSON response format:
-``UNSUPPORTED``), never silently ignored. ``top_k`` (vLLM's extension; 0 or -1: off) is honoured.
+several prompts, ``echo``, penalties, ``logit_bias``, tools, a JSON response format: ``UNSUPPORTED``),
+never silently ignored. ``top_k`` (vLLM's extension; 0 or -1: off) is honoured, and so are ``logprobs``
+(completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from causaldraft.config import MAX_TOP_LOGPROBS
+
 MAX_PROMPT_CHARS = 1_000_000
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a whole request body; larger ones are refused before parsing (413)
 MAX_STOPS = 4
@@ -22,6 +25,7 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
 Stop = str | list[str] | None
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 def asks_nothing(value: object) -> bool:
@@ -32,8 +36,6 @@ def asks_nothing(value: object) -> bool:
 # OpenAI parameters this server cannot honour, and when a value asks for nothing it would have to do
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": asks_nothing,
-    "logprobs": lambda value: value is None or value is False,  # 0 asks for the chosen tokens' log-probabilities
-    "top_logprobs": asks_nothing,
     "best_of": lambda value: value is None or value == 1,
     "suffix": asks_nothing,
     "logit_bias": asks_nothing,
@@ -139,6 +141,10 @@ class GenerationParams(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token the response's ``logprobs`` carry; None: no ``logprobs``."""
+        return None
+
     @property
     def sampling_top_k(self) -> int:
         """``top_k`` as the engine takes it (0: off)."""
@@ -156,6 +162,18 @@ class GenerationParams(BaseModel):
 
 class CompletionRequest(GenerationParams):
     prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[str] | list[int] | list[list[int]]
+    logprobs: TopLogprobs | None = None  # the legacy API's: alternatives per token (0: the chosen token's only)
+
+    @model_validator(mode="before")
+    @classmethod
+    def no_chat_logprobs(cls, body: Any) -> Any:
+        """``top_logprobs`` is the chat API's; silently ignoring it would answer without what it asks."""
+        if isinstance(body, dict) and body.get("top_logprobs") is not None:
+            raise body_error("top_logprobs", "top_logprobs is a chat parameter; completions take logprobs=N")
+        return body
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -177,6 +195,17 @@ class CompletionRequest(GenerationParams):
 class ChatCompletionRequest(GenerationParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    @model_validator(mode="after")
+    def top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise body_error("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": message.role, "content": message.text()} for message in self.messages]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from causaldraft.api import Completion, Engine
 from causaldraft.batch import Batch, Stream
 from causaldraft.errors import CausalDraftError
+from causaldraft.logprobs import TokenLogprob
 from causaldraft.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class GenerationRequest:
     seed: int | None
     stop: list[str]
     top_k: int = 0  # 0: off
+    logprobs: int | None = None  # alternatives per token in the pieces' log-probabilities; None: none
 
     @property
     def default_max_tokens(self) -> int:
@@ -72,6 +74,7 @@ class Started:
 class Piece:
     text: str
     token_count: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # the piece's tokens', when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class Worker:
         try:
             stream = self.batch.add(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                    stop=request.stop)  # fmt: skip
+                                    stop=request.stop, logprobs=request.logprobs)  # fmt: skip
         except CausalDraftError as error:
             self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
             return
@@ -251,7 +254,7 @@ class Worker:
                     self.leave(ident, "completed", done)
                     break
                 active.completion_tokens += len(item.token_ids)
-                self.deliver(active.job, Piece(item.text, len(item.token_ids)))
+                self.deliver(active.job, Piece(item.text, len(item.token_ids), item.logprobs))
             active.stream.events.clear()
 
     def leave(self, ident: int, outcome: str, event: Event | None) -> None:
@@ -291,6 +294,7 @@ def param_of(message: str, request: GenerationRequest) -> str | None:
 def message_param(message: str) -> str | None:
     for name, param in (("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"), ("prompt", "prompt"),
                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
+                        ("logprobs", "logprobs"),
                         ("token ids", "prompt"), ("chat template", "messages")):  # fmt: skip
         if name in message:
             return param

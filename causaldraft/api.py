@@ -27,7 +27,13 @@ from causaldraft.adapt import (
     measure_verify_cost,
     plausible_calibration,
 )
-from causaldraft.config import EngineConfig, SamplingConfig, validate_max_new_tokens, validate_top_logprobs
+from causaldraft.config import (
+    PENALTIES,
+    EngineConfig,
+    SamplingConfig,
+    validate_max_new_tokens,
+    validate_top_logprobs,
+)
 from causaldraft.decode import PROMPT_CHUNK, Decoder, DecodeState, GenerationStats, PromptRead, decode_steps
 from causaldraft.drafters.registry import DrafterOptions, build_drafter
 from causaldraft.errors import CausalDraftError
@@ -52,7 +58,8 @@ def token_id(item: object) -> int:
         raise CausalDraftError(f"token ids are integers, got {item!r}") from None
 
 
-REQUEST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat", "logprobs")
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES)  # SamplingConfig's fields
+REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, "stop", "chat", "logprobs")
 
 
 def check_request_options(options: Mapping[str, object]) -> None:
@@ -63,7 +70,7 @@ def check_request_options(options: Mapping[str, object]) -> None:
         raise CausalDraftError(f"unknown request option {unknown[0]!r}; the options are {', '.join(REQUEST_OPTIONS)}")
     if "max_new_tokens" in options:
         validate_max_new_tokens(options["max_new_tokens"])
-    sampling = {name: options[name] for name in ("temperature", "top_p", "top_k", "seed") if name in options}
+    sampling = {name: options[name] for name in SAMPLING_OPTIONS if name in options}
     SamplingConfig(**sampling)  # type: ignore[arg-type]
     stop_strings(options.get("stop"))
     validate_top_logprobs(options.get("logprobs"))
@@ -174,6 +181,9 @@ class Engine:
         stop: Sequence[str] | str | None = None,
         chat: bool = False,
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         decoder: Decoder | None = None,
         cache: Cache | None = None,
         read_prompt: bool = True,
@@ -183,12 +193,14 @@ class Engine:
         ``cache``: a batched stream's own drafter and pool slot (default: the engine's, a new cache).
         ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
         chunk per step). ``logprobs``: each new token's log-probability with that many alternatives
-        (0-20; None: none), in the stream's pieces (``logprobs.py``). Raises CausalDraftError for bad input."""
+        (0-20; None: none), in the stream's pieces (``logprobs.py``). The penalties: ``penalties.py``.
+        Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
         if not isinstance(chat, bool):
             raise CausalDraftError(f"chat must be True or False, got {chat!r}")
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
-        sampling = SamplingConfig(temperature, top_p, top_k, seed)
+        sampling = SamplingConfig(temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
+                                  repetition_penalty)  # fmt: skip
         stops = stop_strings(stop)
         top_logprobs = validate_top_logprobs(logprobs)
         prompt_ids = self.encode(prompt, chat)
@@ -221,8 +233,7 @@ class Engine:
     def events(self, prompt: Prompt, **options: Any) -> Iterator[StreamPiece | Completion]:
         """The streaming core: text deltas with their tokens, then one ``Completion``. Nothing about
         the request is left on the engine (its adaptation state carries over, by design). Options:
-        those of ``start`` (max_new_tokens, temperature, top_p, top_k, seed, stop, chat, logprobs),
-        checked at once; the request starts at the first ``next``."""
+        those of ``start`` (``REQUEST_OPTIONS``), checked at once; the request starts at the first ``next``."""
         check_request_options(options)
         return self.run_events(prompt, options)
 

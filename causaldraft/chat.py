@@ -61,10 +61,9 @@ def chat_loop(
 
 def run_chat(args: argparse.Namespace) -> int:
     from causaldraft.api import check_request_options, load
-    from causaldraft.flags import engine_config
+    from causaldraft.flags import engine_config, request_options
 
-    options = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "top_k": args.top_k, "seed": args.seed, "stop": args.stop}  # fmt: skip
+    options = request_options(args)
     check_request_options(options)  # a bad value costs no load
     engine = load(engine_config(args))
     if sys.stdin.isatty():

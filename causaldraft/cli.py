@@ -8,41 +8,23 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from causaldraft.config import (
-    DTYPES,
-    MAX_TOP_LOGPROBS,
-    SamplingConfig,
-    TreeConfig,
-    validate_max_new_tokens,
-    validate_top_logprobs,
-)
+from causaldraft.config import DTYPES, MAX_TOP_LOGPROBS, TreeConfig
 from causaldraft.errors import CausalDraftError
-from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_config
+from causaldraft.flags import add_drafter_flags, add_model_flags, add_sampling_flags, engine_config, request_options
 
 if TYPE_CHECKING:
     from causaldraft.logprobs import TokenLogprob
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from causaldraft.api import load
+    from causaldraft.api import check_request_options, load
 
     # the request's values are checked before any model loads: a bad one costs no load
-    validate_max_new_tokens(args.max_new_tokens)
-    SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    validate_top_logprobs(args.logprobs)
+    options = {**request_options(args), "chat": args.chat, "logprobs": args.logprobs}
+    check_request_options(options)
     if args.logprobs is not None and not args.json:
         raise CausalDraftError("--logprobs is printed in --json's object: add --json")
     engine = load(engine_config(args))
-    options = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "stop": args.stop,
-        "chat": args.chat,
-        "logprobs": args.logprobs,
-    }
     if args.stream:
         for piece in engine.stream(args.prompt, **options):
             sys.stdout.write(piece)

@@ -27,6 +27,9 @@ def integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # SamplingConfig's, in this order
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen. temperature 0 means greedy."""
@@ -35,6 +38,10 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # penalties on tokens already there (``penalties.py``; vLLM's and OpenAI's meanings): 0, 0 and 1 are off
+    presence_penalty: float = 0.0  # subtracted once from each token in the output, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0: divides positive logits (multiplies negative) of tokens in prompt or output
 
     def __post_init__(self) -> None:
         if not number(self.temperature) or not math.isfinite(self.temperature):
@@ -47,10 +54,21 @@ class SamplingConfig:
             raise CausalDraftError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and not integer(self.seed):
             raise CausalDraftError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not number(value) or not -2.0 <= value <= 2.0:
+                raise CausalDraftError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise CausalDraftError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the next token's distribution depends on the tokens already there (``penalties.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)

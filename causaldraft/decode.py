@@ -21,6 +21,7 @@ from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError, ContextOverflow
 from causaldraft.logprobs import TokenLogprob, token_logprobs
 from causaldraft.models.base import Backend, Cache, ForwardOutput
+from causaldraft.penalties import penalized_logits
 from causaldraft.prefix import PrefixStore, copy_chunks
 from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
@@ -280,13 +281,17 @@ def accept_pass(
     decoder: Decoder, state: DecodeState, draft: Draft, inputs: TreePass, out: ForwardOutput,
     sampling: SamplingConfig,
 ) -> Acceptance:  # fmt: skip
-    """The accepted path of a verified tree, by the engine's acceptance rule."""
+    """The accepted path of a verified tree, by the engine's acceptance rule (each node penalized along its own
+    path first, when the request has penalties)."""
+    logits = out.logits  # [n, vocab]
+    if sampling.penalized:
+        logits = penalized_logits(logits, draft.tree, state.tokens, state.prompt_length, sampling)
     if sampling.greedy:
-        return verify_greedy(draft.tree, out.logits)
+        return verify_greedy(draft.tree, logits)
     if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
         positions = (inputs.positions + 1).tolist()  # where each node's sampled next token goes
-        return verify_greedy(draft.tree, gumbel_scores(out.logits, positions, sampling, state.noise_seed))
-    target_probs = warp_probs(out.logits, sampling)
+        return verify_greedy(draft.tree, gumbel_scores(logits, positions, sampling, state.noise_seed))
+    target_probs = warp_probs(logits, sampling)
     if decoder.decode.acceptance == "naive":
         return verify_naive(draft.tree, target_probs, state.generator)
     return verify_sampled(draft.tree, target_probs, draft.draft_probs, draft.child_mode, state.generator)

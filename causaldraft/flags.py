@@ -12,6 +12,7 @@ from causaldraft.config import (
     BACKENDS,
     DEFAULT_DEPTHS,
     DTYPES,
+    PENALTIES,
     SAMPLERS,
     TREE_KINDS,
     DecodeConfig,
@@ -95,6 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """A request's flags: its ``SamplingConfig``, max_new_tokens and stop strings (``request_options``)."""
     parser.add_argument(
         "--temperature",
         type=float,
@@ -107,6 +109,21 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
                         help="seed of the sampling: the same seed gives the same text with every drafter under the "
                         "default gumbel sampler "
                         "(default: a fresh one)")  # fmt: skip
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted from each token already in the output, in [-2, 2] (default: 0: off)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted per occurrence in the output, in [-2, 2] (default: 0: off)",
+    )
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 0: divides the positive logits (multiplies the negative) of tokens in the prompt or "
+                        "the output (default: 1: off)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256, help="new tokens at most (default: %(default)s)")
     parser.add_argument("--stop", action="append", default=None, type=stop_string,
                         help=r"stop string (repeatable); \n, \t, \r and \\ in it are a newline, a tab, a carriage "
@@ -121,3 +138,9 @@ def stop_string(text: str) -> str:
     a stop string of those two characters is rarely what was meant. Example: ``a\\n\\\\n`` -> a, newline,
     backslash, n."""
     return re.sub(r"\\([ntr\\])", lambda match: STOP_ESCAPES[match.group(1)], text)
+
+
+def request_options(args: argparse.Namespace) -> dict[str, object]:
+    """A request's options (``api.REQUEST_OPTIONS``) from ``add_sampling_flags``' flags."""
+    names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", *PENALTIES, "stop")
+    return {name: getattr(args, name) for name in names}

@@ -212,13 +212,15 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(best_of=3), "best_of"),
     ("completions", completion(suffix="end"), "suffix"),
     ("completions", completion(logit_bias={"5": 10}), "logit_bias"),
-    ("completions", completion(presence_penalty=0.5), "presence_penalty"),
+    ("completions", completion(presence_penalty=3), "presence_penalty"),
+    ("completions", completion(frequency_penalty="x"), "frequency_penalty"),
+    ("completions", completion(repetition_penalty=0), "repetition_penalty"),
     ("completions", completion(stream_options={"include_usage": True}), "stream_options"),
     ("completions", completion(top_k=-2), "top_k"),
     ("chat/completions", chat(logprobs=3), "logprobs"),
     ("chat/completions", chat(top_logprobs=2), "top_logprobs"),
     ("chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
-    ("chat/completions", chat(frequency_penalty=1.0), "frequency_penalty"),
+    ("chat/completions", chat(frequency_penalty=-2.5), "frequency_penalty"),
     ("chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
 ]
@@ -328,6 +330,15 @@ def test_chat_logprobs_are_the_engine_s_in_openai_s_shape(
     assert [entry["logprob"] for entry in pieces] == pytest.approx([entry.logprob for entry in content], abs=1e-5)
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs is None
+
+
+def test_penalties_are_the_engine_s(client: openai.OpenAI, reference: Engine) -> None:
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.0}
+    result = client.completions.create(model=MODEL, prompt="abcabc", max_tokens=12, temperature=0,
+                                       extra_body={"repetition_penalty": 1.3}, **penalties)  # fmt: skip
+    expected = reference.generate("abcabc", max_new_tokens=12, repetition_penalty=1.3, **penalties)
+    assert result.choices[0].text == expected.text
+    assert expected.text != reference.generate("abcabc", max_new_tokens=12).text  # the penalties changed it
 
 
 def test_completion_logprobs_count_each_token_s_offset(

@@ -343,8 +343,9 @@ def create_app(
         if max_tokens is not None and max_tokens > worker.context_length:
             raise ApiError(400, f"max_tokens {max_tokens} exceeds the model's context of {worker.context_length} "
                            "tokens", "max_tokens")  # fmt: skip
+        penalties = (body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
         return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops(),
-                                 body.sampling_top_k, body.requested_logprobs())  # fmt: skip
+                                 body.sampling_top_k, body.requested_logprobs(), penalties)  # fmt: skip
 
     async def respond(
         request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply

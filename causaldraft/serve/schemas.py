@@ -2,9 +2,10 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
 cannot honour are rejected with a clear message when they ask for something (``n`` other than 1,
-several prompts, ``echo``, penalties, ``logit_bias``, tools, a JSON response format: ``UNSUPPORTED``),
-never silently ignored. ``top_k`` (vLLM's extension; 0 or -1: off) is honoured, and so are ``logprobs``
-(completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
+several prompts, ``echo``, ``logit_bias``, tools, a JSON response format: ``UNSUPPORTED``), never
+silently ignored. ``top_k`` and ``repetition_penalty`` (vLLM's extensions; ``top_k`` 0 or -1: off) are
+honoured, and so are ``presence_penalty``, ``frequency_penalty`` and ``logprobs`` (completions: 0-20
+alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ MAX_STOPS = 4
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's presence and frequency penalties
+RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
 Stop = str | list[str] | None
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -39,8 +42,6 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "best_of": lambda value: value is None or value == 1,
     "suffix": asks_nothing,
     "logit_bias": asks_nothing,
-    "presence_penalty": asks_nothing,
-    "frequency_penalty": asks_nothing,
     "tools": asks_nothing,
     "tool_choice": lambda value: value in (None, "none", "auto"),
     "functions": asks_nothing,
@@ -101,6 +102,9 @@ class GenerationParams(BaseModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM's extension; 0 or -1: off
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0  # vLLM's extension; 1: off
     stop: Stop = None
     seed: int | None = None
     n: int = 1
@@ -126,7 +130,8 @@ class GenerationParams(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings are supported, got {len(stop)}")
         return stop
 
-    @field_validator("temperature", "top_p", "top_k", "n", "stream", mode="before")
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", mode="before")  # fmt: skip
     @classmethod
     def null_means_default(cls, value: object, info: ValidationInfo) -> object:
         """Clients often send ``null`` for parameters they leave unset."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from causaldraft.api import Completion, Engine
 from causaldraft.batch import Batch, Stream
+from causaldraft.config import PENALTIES
 from causaldraft.errors import CausalDraftError
 from causaldraft.logprobs import TokenLogprob
 from causaldraft.serve.metrics import Metrics
@@ -49,6 +50,7 @@ class GenerationRequest:
     stop: list[str]
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # alternatives per token in the pieces' log-probabilities; None: none
+    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)  # presence, frequency, repetition (penalties.py)
 
     @property
     def default_max_tokens(self) -> int:
@@ -229,7 +231,8 @@ class Worker:
         try:
             stream = self.batch.add(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                    stop=request.stop, logprobs=request.logprobs)  # fmt: skip
+                                    stop=request.stop, logprobs=request.logprobs,
+                                    **dict(zip(PENALTIES, request.penalties, strict=True)))  # fmt: skip
         except CausalDraftError as error:
             self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
             return
@@ -294,7 +297,8 @@ def param_of(message: str, request: GenerationRequest) -> str | None:
 def message_param(message: str) -> str | None:
     for name, param in (("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"), ("prompt", "prompt"),
                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
-                        ("logprobs", "logprobs"),
+                        ("logprobs", "logprobs"), ("presence_penalty", "presence_penalty"),
+                        ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"),
                         ("token ids", "prompt"), ("chat template", "messages")):  # fmt: skip
         if name in message:
             return param

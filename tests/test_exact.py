@@ -343,6 +343,25 @@ def test_default_model_logprobs_are_plain_decoding_s_in_int4_compiled(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["lookup", "eagle3"])
+def test_default_model_penalized_output_is_plain_decoding_in_int4_compiled(
+    default_int4_compiled: LoadedModel, drafter: str
+) -> None:
+    """Penalties (penalties.py) judge each tree node along its own path: still plain decoding's tokens."""
+    plain = load(loaded=default_int4_compiled, drafter="none", compile=False)
+    spec = load(loaded=default_int4_compiled, drafter=drafter, tree="dynamic", compile=False)
+    penalties = {"frequency_penalty": 0.4, "presence_penalty": 0.2, "repetition_penalty": 1.1}
+    accepted = 0
+    for prompt in ("List the days of the week, one per line.", "Write a short poem about the sea."):
+        expected = plain.generate(prompt, chat=True, max_new_tokens=64, **penalties)
+        result = spec.generate(prompt, chat=True, max_new_tokens=64, **penalties)
+        assert result.token_ids == expected.token_ids, (drafter, prompt)
+        assert expected.token_ids != plain.generate(prompt, chat=True, max_new_tokens=64).token_ids
+        accepted += sum(step.accepted for step in result.stats.steps)
+    assert accepted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["lookup", "eagle3"])
 def test_default_model_decodes_a_kept_prefix_as_a_whole_read_in_int4_compiled(
     default_int4_compiled: LoadedModel, drafter: str
 ) -> None:

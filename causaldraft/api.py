@@ -31,6 +31,7 @@ from causaldraft.config import (
     PENALTIES,
     EngineConfig,
     SamplingConfig,
+    bias_pairs,
     validate_max_new_tokens,
     validate_top_logprobs,
 )
@@ -58,7 +59,7 @@ def token_id(item: object) -> int:
         raise CausalDraftError(f"token ids are integers, got {item!r}") from None
 
 
-SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES)  # SamplingConfig's fields
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES, "logit_bias")  # SamplingConfig's fields
 REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, "stop", "chat", "logprobs")
 
 
@@ -71,6 +72,8 @@ def check_request_options(options: Mapping[str, object]) -> None:
     if "max_new_tokens" in options:
         validate_max_new_tokens(options["max_new_tokens"])
     sampling = {name: options[name] for name in SAMPLING_OPTIONS if name in options}
+    if "logit_bias" in sampling:
+        sampling["logit_bias"] = bias_pairs(sampling["logit_bias"] or ())
     SamplingConfig(**sampling)  # type: ignore[arg-type]
     stop_strings(options.get("stop"))
     validate_top_logprobs(options.get("logprobs"))
@@ -184,6 +187,7 @@ class Engine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
         decoder: Decoder | None = None,
         cache: Cache | None = None,
         read_prompt: bool = True,
@@ -193,14 +197,18 @@ class Engine:
         ``cache``: a batched stream's own drafter and pool slot (default: the engine's, a new cache).
         ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
         chunk per step). ``logprobs``: each new token's log-probability with that many alternatives
-        (0-20; None: none), in the stream's pieces (``logprobs.py``). The penalties: ``penalties.py``.
+        (0-20; None: none), in the stream's pieces (``logprobs.py``). The penalties and ``logit_bias`` ({token id:
+        bias in [-100, 100]}): ``penalties.py``.
         Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
         if not isinstance(chat, bool):
             raise CausalDraftError(f"chat must be True or False, got {chat!r}")
         max_new_tokens = validate_max_new_tokens(max_new_tokens)
         sampling = SamplingConfig(temperature, top_p, top_k, seed, presence_penalty, frequency_penalty,
-                                  repetition_penalty)  # fmt: skip
+                                  repetition_penalty, bias_pairs(logit_bias or ()))  # fmt: skip
+        vocab = self.model.backend.shape.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise CausalDraftError(f"logit_bias keys are token ids below the vocabulary's size, {vocab}")
         stops = stop_strings(stop)
         top_logprobs = validate_top_logprobs(logprobs)
         prompt_ids = self.encode(prompt, chat)

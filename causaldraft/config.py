@@ -42,6 +42,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0  # subtracted once from each token in the output, in [-2, 2]
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, in [-2, 2]
     repetition_penalty: float = 1.0  # > 0: divides positive logits (multiplies negative) of tokens in prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending (``bias_pairs``)
 
     def __post_init__(self) -> None:
         if not number(self.temperature) or not math.isfinite(self.temperature):
@@ -60,6 +61,10 @@ class SamplingConfig:
                 raise CausalDraftError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
             raise CausalDraftError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if bias_pairs(self.logit_bias) != self.logit_bias:
+            raise CausalDraftError(
+                f"logit_bias must be (token id, bias) pairs in ascending ids, got {self.logit_bias!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -67,8 +72,32 @@ class SamplingConfig:
 
     @property
     def penalized(self) -> bool:
-        """Whether the next token's distribution depends on the tokens already there (``penalties.py``)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        """Whether the target's logits change before a token is chosen: penalties, a logit bias (``penalties.py``)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+
+
+def bias_pairs(logit_bias: object) -> tuple[tuple[int, float], ...]:
+    """A logit bias as ``SamplingConfig`` holds it, from a mapping {token id: bias} or pairs: (id, bias) pairs in
+    ascending ids, each id an integer >= 0 and each bias a number in [-100, 100]; else a CausalDraftError."""
+    items = logit_bias.items() if isinstance(logit_bias, typing.Mapping) else logit_bias
+    if not isinstance(items, typing.Iterable) or isinstance(items, (str, bytes)):
+        raise CausalDraftError(f"logit_bias must map token ids to biases, got {logit_bias!r}")
+    pairs = []
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise CausalDraftError(f"logit_bias must map token ids to biases, got {logit_bias!r}")
+        token, bias = item
+        if not integer(token) or token < 0:
+            raise CausalDraftError(f"logit_bias keys are token ids (integers >= 0), got {token!r}")
+        if not number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise CausalDraftError(f"a logit_bias value is a number in [-100, 100], got {bias!r} for token {token}")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(dict(pairs).items()))
 
 
 CHAIN_DEPTH = 6  # a chain's default depth (it spends its nodes on one path)

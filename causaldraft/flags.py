@@ -124,6 +124,8 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="> 0: divides the positive logits (multiplies the negative) of tokens in the prompt or "
                         "the output (default: 1: off)")  # fmt: skip
+    parser.add_argument("--logit-bias", action="append", default=None, type=bias_flag, metavar="ID=BIAS",
+                        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256, help="new tokens at most (default: %(default)s)")
     parser.add_argument("--stop", action="append", default=None, type=stop_string,
                         help=r"stop string (repeatable); \n, \t, \r and \\ in it are a newline, a tab, a carriage "
@@ -143,4 +145,13 @@ def stop_string(text: str) -> str:
 def request_options(args: argparse.Namespace) -> dict[str, object]:
     """A request's options (``api.REQUEST_OPTIONS``) from ``add_sampling_flags``' flags."""
     names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", *PENALTIES, "stop")
-    return {name: getattr(args, name) for name in names}
+    return {**{name: getattr(args, name) for name in names}, "logit_bias": dict(args.logit_bias or [])}
+
+
+def bias_flag(text: str) -> tuple[int, float]:
+    """``--logit-bias``'s ``ID=BIAS`` (the values are checked with the request's)."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, such as 42=-100, got {text!r}") from None

@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties, applied to every node of a verify pass along its own path.
+"""Repetition, frequency and presence penalties, applied to every node of a verify pass along its own path, and the
+logit bias, the same for every node.
 
 A penalty makes the next token's distribution depend on the tokens before it, so in a tree each node is penalized
 for its own context: the prompt and the output so far, then the draft tokens from the root's child down to the node
@@ -9,8 +10,9 @@ rejection-sampled.
 As vLLM applies them (``SamplingParams``): the repetition penalty divides a positive logit by r and multiplies a
 negative one by r, for every token seen in the prompt or the output (CTRL's rule, also transformers'); the
 frequency and presence penalties subtract f x count and p x (count > 0) for the tokens in the output only (OpenAI's
-definition). Repetition comes first. Each node's row is computed from integer counts by element-wise operations
-alone, so it is the bits plain decoding computes at that position.
+definition). The logit bias is added first, then the repetition penalty, then the others (vLLM's order). Each
+node's row is computed from integer counts by element-wise operations alone, so it is the bits plain decoding
+computes at that position.
 
 Worked example: output so far (a, b, a), tree root r (the last output token, node 0) with children x (node 1) and
 y (node 2), and z under x (node 3). Counts per node: node 0 {a: 2, b: 1}, node 1 {a: 2, b: 1, x: 1}, node 2
@@ -48,6 +50,10 @@ def penalized_logits(
             seen[node, tree.tokens[ancestor]] = True
             ancestor = tree.parents[ancestor]
     scores = logits.float()
+    if sampling.logit_bias:
+        ids, biases = zip(*sampling.logit_bias, strict=True)
+        scores = scores.clone()
+        scores[:, list(ids)] += torch.tensor(biases)  # [n, len(ids)] + [len(ids)]
     if sampling.repetition_penalty != 1.0:
         penalty = sampling.repetition_penalty
         scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)

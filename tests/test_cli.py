@@ -43,11 +43,12 @@ def test_generate_takes_the_penalties(tiny_llama_dir: Path, capsys: pytest.Captu
 
     common = ["generate", "--no-compile", "--prompt", "abcabc", "--model", str(tiny_llama_dir), "--dtype", "int4",
               "--max-new-tokens", "16", "--json", "--drafter", "lookup"]  # fmt: skip
-    assert main([*common, "--frequency-penalty", "1.5", "--repetition-penalty", "1.3"]) == 0
+    assert main([*common, "--frequency-penalty", "1.5", "--repetition-penalty", "1.3", "--logit-bias", "100=2.5",
+                 "--logit-bias", "120=-3"]) == 0  # fmt: skip
     penalized = json.loads(capsys.readouterr().out)["token_ids"]
     engine = load(model=str(tiny_llama_dir), dtype="int4", drafter="none", compile=False, calibrate=False)
-    assert penalized == engine.generate("abcabc", max_new_tokens=16, frequency_penalty=1.5,
-                                        repetition_penalty=1.3).token_ids  # fmt: skip
+    assert penalized == engine.generate("abcabc", max_new_tokens=16, frequency_penalty=1.5, repetition_penalty=1.3,
+                                        logit_bias={100: 2.5, 120: -3.0}).token_ids  # fmt: skip
     assert penalized != engine.generate("abcabc", max_new_tokens=16).token_ids
 
 
@@ -105,7 +106,8 @@ def test_bad_input_is_one_clear_line(
     [(["--top-p", "2"], "top_p"), (["--max-new-tokens", "0"], "max_new_tokens"),
      (["--temperature", "nan"], "temperature"), (["--top-k", "-1"], "top_k"),
      (["--json", "--logprobs", "21"], "logprobs"), (["--logprobs", "2"], "add --json"),
-     (["--repetition-penalty", "0"], "repetition_penalty"), (["--presence-penalty", "3"], "presence_penalty")],
+     (["--repetition-penalty", "0"], "repetition_penalty"), (["--presence-penalty", "3"], "presence_penalty"),
+     (["--logit-bias", "5=101"], "logit_bias")],
 )  # fmt: skip
 def test_bad_request_values_are_refused_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str

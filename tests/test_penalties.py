@@ -4,9 +4,9 @@ and plain decoding is what a naive loop over whole forwards gives."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,11 +24,12 @@ from causaldraft.tree import Tree
 from tests.test_eagle3 import AUX, layer_dir
 from tests.test_exact import LOW_PRECISION, PROMPTS
 
-PENALTIES: list[dict[str, float]] = [
+PENALTIES: list[dict[str, Any]] = [
     {"repetition_penalty": 1.4},
     {"frequency_penalty": 0.8},
     {"presence_penalty": 1.2},
     {"repetition_penalty": 0.8, "frequency_penalty": -0.5, "presence_penalty": 0.4},
+    {"logit_bias": {100: 2.5, 120: -3.0, 250: 1.0}, "repetition_penalty": 1.2},
 ]
 
 
@@ -47,13 +48,19 @@ def test_each_node_is_penalized_for_its_own_path() -> None:
     assert scores[0, 5] == 1 / 2 and scores[0, 6] == -2.0  # prompt tokens: repetition only, negative times r
     assert scores[0, 0] == 1.0 and scores[1, 2] == 1 / 2 - 0.5 - 0.25  # unseen; b, once in the output
     assert torch.equal(penalized_logits(logits, tree, [5, 6, 1, 2, 1], 2, SamplingConfig()), logits)
+    biased = SamplingConfig(repetition_penalty=2.0, logit_bias=((0, -1.0), (5, 1.0)))
+    scores = penalized_logits(logits, tree, [5, 6, 1, 2, 1], 2, biased)
+    assert scores[:, 0].tolist() == [0.0] * 4  # every node alike; unseen, so no repetition penalty
+    assert scores[:, 5].tolist() == [(1.0 + 1.0) / 2] * 4  # the bias first, then the repetition penalty (vLLM's order)
 
 
 def naive_penalized(
-    logits: torch.Tensor, prompt: list[int], output: list[int], options: dict[str, float]
+    logits: torch.Tensor, prompt: list[int], output: list[int], options: dict[str, Any]
 ) -> torch.Tensor:
-    """The penalties written out token by token, as vLLM's documentation states them."""
+    """The logit bias and the penalties written out token by token, as vLLM's documentation states them."""
     scores = logits.clone()
+    for token, bias in options.get("logit_bias", {}).items():
+        scores[token] += bias
     repetition = options.get("repetition_penalty", 1.0)
     for token in set(prompt + output):
         scores[token] = scores[token] / repetition if scores[token] > 0 else scores[token] * repetition
@@ -62,7 +69,7 @@ def naive_penalized(
     return scores
 
 
-def naive_decoding(directory: Path, prompt: list[int], tokens: int, options: dict[str, float]) -> list[int]:
+def naive_decoding(directory: Path, prompt: list[int], tokens: int, options: dict[str, Any]) -> list[int]:
     """Greedy decoding with penalties by one whole fp32 forward per token."""
     model = NativeLlama.from_pretrained(directory, torch.float32)
     output: list[int] = []
@@ -75,10 +82,12 @@ def naive_decoding(directory: Path, prompt: list[int], tokens: int, options: dic
     return output
 
 
-@pytest.mark.parametrize("options", PENALTIES)
-def test_plain_decoding_with_penalties_is_the_naive_loop_s(tiny_llama_dir: Path, options: dict[str, float]) -> None:
+@pytest.mark.parametrize("options", [*PENALTIES[:4], {"logit_bias": "the first token's, -100"}])
+def test_plain_decoding_with_penalties_is_the_naive_loop_s(tiny_llama_dir: Path, options: dict[str, Any]) -> None:
     plain = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False, compile=False)
     prompt = plain.encode(PROMPTS[2])
+    if "logit_bias" in options:  # the first greedy token made impossible, another one likelier
+        options = {"logit_bias": {plain.generate(prompt, max_new_tokens=1).token_ids[0]: -100.0, 100: 2.5}}
     result = plain.generate(prompt, max_new_tokens=24, **options)
     assert result.token_ids == naive_decoding(tiny_llama_dir, prompt, 24, options)
     assert result.token_ids != plain.generate(prompt, max_new_tokens=24).token_ids  # the penalties changed it
@@ -121,7 +130,7 @@ def test_batched_penalties_are_each_request_s_alone(models: dict[str, LoadedMode
     assert [result.token_ids for result in batched] == alone
 
 
-def exact_penalized_law(directory: Path, prompt: list[int], options: dict[str, float]) -> dict[tuple[int, int], float]:
+def exact_penalized_law(directory: Path, prompt: list[int], options: dict[str, Any]) -> dict[tuple[int, int], float]:
     """The law of the first two tokens at T = 1, top-k 4, with penalties (whole fp32 forwards)."""
     model = NativeLlama.from_pretrained(directory, torch.float32)
     sampling = SamplingConfig(temperature=1.0, top_k=4)
@@ -150,7 +159,8 @@ def test_sampled_output_with_penalties_follows_the_penalized_law(tiny_llama_dir:
     spec = causaldraft.load(str(tiny_llama_dir), dtype="float32", drafter="draft", draft_model=str(tiny_llama_dir),
                             tree="chain", depth=2, fallback=False, adapt=False, sampler=sampler, calibrate=False,
                             compile=False)  # fmt: skip
-    options = {"frequency_penalty": -1.0, "presence_penalty": -0.5, "repetition_penalty": 1.2}  # repeats favoured
+    options = {"frequency_penalty": -1.0, "presence_penalty": -0.5, "repetition_penalty": 1.2,  # repeats favoured
+               "logit_bias": {100: 1.0, 200: -1.0}}  # fmt: skip
     prompt = spec.encode(PROMPTS[0])
     counts: Counter[tuple[int, int]] = Counter()
     accepted = 0
@@ -175,12 +185,14 @@ def test_sampled_output_with_penalties_follows_the_penalized_law(tiny_llama_dir:
     "options",
     [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"frequency_penalty": float("nan")},
      {"repetition_penalty": 0}, {"repetition_penalty": -1.0}, {"repetition_penalty": float("inf")},
-     {"presence_penalty": True}, {"repetition_penalty": "1.2"}],
+     {"presence_penalty": True}, {"repetition_penalty": "1.2"}, {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}},
+     {"logit_bias": {"7": 1}}, {"logit_bias": {1: float("nan")}}, {"logit_bias": [3, 4]}],
 )  # fmt: skip
 def test_bad_penalties_are_refused_at_the_call(models: dict[str, LoadedModel], options: dict[str, object]) -> None:
     engine = causaldraft.load(loaded=models["int4"], drafter="none", calibrate=False, compile=False)
     name = next(iter(options))
     with pytest.raises(CausalDraftError, match=name):
         engine.events("hi", **options)
-    with pytest.raises(CausalDraftError, match=name):
-        SamplingConfig(**dataclasses.asdict(SamplingConfig()) | options)  # type: ignore[arg-type]
+    with pytest.raises(CausalDraftError, match="vocabulary"):
+        engine.generate("hi", max_new_tokens=2, logit_bias={engine.model.backend.shape.vocab_size: 1.0})
+    assert engine.generate("hi", max_new_tokens=2).token_ids  # the engine is still usable

@@ -211,7 +211,9 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(top_logprobs=2), "top_logprobs"),
     ("completions", completion(best_of=3), "best_of"),
     ("completions", completion(suffix="end"), "suffix"),
-    ("completions", completion(logit_bias={"5": 10}), "logit_bias"),
+    ("completions", completion(logit_bias={"5": 1000}), "logit_bias"),
+    ("completions", completion(logit_bias={"x": 1}), "logit_bias"),
+    ("completions", completion(logit_bias={"999999": 1}), "logit_bias"),
     ("completions", completion(presence_penalty=3), "presence_penalty"),
     ("completions", completion(frequency_penalty="x"), "frequency_penalty"),
     ("completions", completion(repetition_penalty=0), "repetition_penalty"),
@@ -339,6 +341,13 @@ def test_penalties_are_the_engine_s(client: openai.OpenAI, reference: Engine) ->
     expected = reference.generate("abcabc", max_new_tokens=12, repetition_penalty=1.3, **penalties)
     assert result.choices[0].text == expected.text
     assert expected.text != reference.generate("abcabc", max_new_tokens=12).text  # the penalties changed it
+    first = reference.generate("abcabc", max_new_tokens=1).token_ids[0]
+    biased = client.completions.create(model=MODEL, prompt="abcabc", max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100, "100": 3})  # fmt: skip
+    assert (
+        biased.choices[0].text == reference.generate("abcabc", max_new_tokens=6, logit_bias={first: -100, 100: 3}).text
+    )
+    assert reference.encode(biased.choices[0].text)[:1] != [first]
 
 
 def test_completion_logprobs_count_each_token_s_offset(

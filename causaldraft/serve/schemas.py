@@ -2,10 +2,10 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
 cannot honour are rejected with a clear message when they ask for something (``n`` other than 1,
-several prompts, ``echo``, ``logit_bias``, tools, a JSON response format: ``UNSUPPORTED``), never
-silently ignored. ``top_k`` and ``repetition_penalty`` (vLLM's extensions; ``top_k`` 0 or -1: off) are
-honoured, and so are ``presence_penalty``, ``frequency_penalty`` and ``logprobs`` (completions: 0-20
-alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
+several prompts, ``echo``, tools, a JSON response format: ``UNSUPPORTED``), never silently ignored.
+``top_k`` and ``repetition_penalty`` (vLLM's extensions; ``top_k`` 0 or -1: off) are honoured, and so are
+``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` (completions: 0-20 alternatives
+per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from causaldraft.config import MAX_TOP_LOGPROBS
+from causaldraft.config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a whole request body; larger ones are refused before parsing (413)
@@ -26,6 +26,7 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's presence and frequency penalties
 RepetitionPenalty = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]
 Stop = str | list[str] | None
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -41,7 +42,6 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "echo": asks_nothing,
     "best_of": lambda value: value is None or value == 1,
     "suffix": asks_nothing,
-    "logit_bias": asks_nothing,
     "tools": asks_nothing,
     "tool_choice": lambda value: value in (None, "none", "auto"),
     "functions": asks_nothing,
@@ -105,6 +105,7 @@ class GenerationParams(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0  # vLLM's extension; 1: off
+    logit_bias: dict[str, Bias] | None = None  # token id (a JSON key, so a string) -> added to its logit
     stop: Stop = None
     seed: int | None = None
     n: int = 1
@@ -149,6 +150,18 @@ class GenerationParams(BaseModel):
     def requested_logprobs(self) -> int | None:
         """Alternatives per token the response's ``logprobs`` carry; None: no ``logprobs``."""
         return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def token_ids_as_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (integers >= 0), got {key!r}")
+        return logit_bias
+
+    def bias(self) -> dict[int, float]:
+        """``logit_bias`` as the engine takes it: {token id: bias}."""
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     @property
     def sampling_top_k(self) -> int:

@@ -51,6 +51,7 @@ class GenerationRequest:
     top_k: int = 0  # 0: off
     logprobs: int | None = None  # alternatives per token in the pieces' log-probabilities; None: none
     penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)  # presence, frequency, repetition (penalties.py)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def default_max_tokens(self) -> int:
@@ -231,7 +232,7 @@ class Worker:
         try:
             stream = self.batch.add(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                    stop=request.stop, logprobs=request.logprobs,
+                                    stop=request.stop, logprobs=request.logprobs, logit_bias=request.logit_bias,
                                     **dict(zip(PENALTIES, request.penalties, strict=True)))  # fmt: skip
         except CausalDraftError as error:
             self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
@@ -295,7 +296,8 @@ def param_of(message: str, request: GenerationRequest) -> str | None:
 
 
 def message_param(message: str) -> str | None:
-    for name, param in (("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"), ("prompt", "prompt"),
+    for name, param in (("logit_bias", "logit_bias"), ("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"),
+                        ("prompt", "prompt"),
                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
                         ("logprobs", "logprobs"), ("presence_penalty", "presence_penalty"),
                         ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"),

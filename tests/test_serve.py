@@ -194,7 +194,8 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(seed="seven"), "seed"),
     ("completions", completion(stop=["a", "b", "c", "d", "e"]), "stop"),
     ("completions", completion(stream="yes"), "stream"),
-    ("completions", completion(n=2), "n"),
+    ("completions", completion(n=0), "n"),
+    ("completions", completion(n=3), "n"),  # more than the server runs and queues at once (2)
     ("completions", completion(model="gpt-4"), "model"),
     ("chat/completions", chat(messages=[]), "messages"),
     ("chat/completions", chat(messages="hi"), "messages"),
@@ -202,7 +203,7 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages"),
     ("chat/completions", chat(messages=[{"role": "user", "content": "x" * (CONTEXT + 100)}]), "messages"),
     ("chat/completions", chat(max_tokens=-3), "max_tokens"),
-    ("chat/completions", chat(n=3), "n"),
+    ("chat/completions", chat(n=17), "n"),
     ("chat/completions", chat(model="other"), "model"),
     ("completions", completion(echo=True), "echo"),
     ("completions", completion(logprobs=21), "logprobs"),
@@ -350,6 +351,38 @@ def test_penalties_are_the_engine_s(client: openai.OpenAI, reference: Engine) ->
     assert reference.encode(biased.choices[0].text)[:1] != [first]
 
 
+def test_n_choices_are_each_one_request_s_answer(
+    server: BackgroundServer, client: openai.OpenAI, reference: Engine
+) -> None:
+    """Greedy: n equal answers. Sampled with a seed: choice i is the answer to the same request with seed + i.
+    Streamed: each choice's chunks carry its index; usage counts the prompt once and every choice's tokens."""
+    greedy = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, n=2)
+    expected = reference.generate("Hello", max_new_tokens=6)
+    assert [choice.index for choice in greedy.choices] == [0, 1]
+    assert [choice.text for choice in greedy.choices] == [expected.text] * 2
+    assert greedy.usage is not None and greedy.usage.completion_tokens == 2 * len(expected.token_ids)
+    messages = [{"role": "user", "content": "Say something"}]
+    sampled = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0,  # type: ignore[arg-type]
+                                             seed=11, n=2)  # fmt: skip
+    texts = {choice.index: choice.message.content for choice in sampled.choices}
+    for index, text in texts.items():
+        alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0,  # type: ignore[arg-type]
+                                               seed=11 + index)  # fmt: skip
+        assert text == alone.choices[0].message.content
+    assert texts[0] != texts[1]
+    body = chat(messages=messages, max_tokens=8, temperature=1.0, seed=11, n=2, stream=True,
+                stream_options={"include_usage": True})  # fmt: skip
+    chunks = sse_chunks(server, "chat/completions", body)
+    streamed, reasons = {0: "", 1: ""}, {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content") or ""
+            if choice["finish_reason"]:
+                reasons[choice["index"]] = choice["finish_reason"]
+    assert streamed == texts and set(reasons) == {0, 1}
+    assert sampled.usage is not None and chunks[-1]["usage"]["completion_tokens"] == sampled.usage.completion_tokens
+
+
 def test_completion_logprobs_count_each_token_s_offset(
     server: BackgroundServer, client: openai.OpenAI, reference: Engine
 ) -> None:
@@ -407,8 +440,8 @@ def test_unknown_route_and_method_get_error_bodies(server: BackgroundServer) -> 
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=MODEL, prompt="abc", max_tokens=4, n=2)
-    assert "n=1" in str(caught.value)
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=4, n=17)
+    assert "n must be from 1 to 16" in str(caught.value)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
 

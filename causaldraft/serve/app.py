@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -207,8 +207,9 @@ class Reply:
     texts: TokenTexts | None = None  # the tokens' texts for ``logprobs``; None: the request asked for none
 
     def choice(
-        self, text: str, finish_reason: str | None, stream: bool, entries: Sequence[TokenLogprob] = (), offset: int = 0
-    ) -> dict[str, Any]:
+        self, text: str, finish_reason: str | None, stream: bool, entries: Sequence[TokenLogprob] = (), offset: int = 0,
+        index: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
         """A choice with ``entries``' log-probabilities when asked for (``offset``: the text before, streaming)."""
         logprobs = None
         if self.texts is not None:
@@ -216,10 +217,10 @@ class Reply:
                 chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts, offset)
             )
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         key = "delta" if stream else "message"
         content: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def body(
         self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None, include_usage: bool = False
@@ -231,6 +232,44 @@ class Reply:
         if usage is not None or not stream or include_usage:
             body["usage"] = usage.body() if usage is not None else None
         return body
+
+
+@dataclass
+class Choice:
+    """One of a request's ``n`` answers: its job, its inbox, and what it has produced and not yet sent."""
+
+    index: int
+    job: Job
+    inbox: Inbox
+    texts: list[str] = field(default_factory=list)
+    pending: list[TokenLogprob] = field(default_factory=list)  # log-probabilities not sent yet
+    offset: int = 0  # the characters of the tokens sent so far (the legacy ``text_offset``)
+    finished: Finished | None = None
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.finished is None else self.finished.finish_reason
+
+    def take(self, event: Event) -> None:
+        """Keep a piece's text and log-probabilities, or the finish."""
+        if isinstance(event, Piece):
+            self.texts.append(event.text)
+            self.pending.extend(event.logprobs)
+        elif isinstance(event, Finished):
+            self.finished = event
+
+
+def cancel(choices: list[Choice]) -> None:
+    """Stop every choice's job (those still queued are skipped, those running leave the batch)."""
+    for choice in choices:
+        choice.job.cancelled.set()
+        choice.inbox.close()
+
+
+def usage_of(choices: list[Choice]) -> Usage:
+    """The prompt counted once, every choice's tokens (as OpenAI counts ``n`` answers)."""
+    done = [choice.finished for choice in choices if choice.finished is not None]
+    return Usage(done[0].prompt_tokens, sum(finished.completion_tokens for finished in done), done[0].cached_tokens)
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -351,31 +390,38 @@ def create_app(
         request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply
     ) -> Response:
         loop = asyncio.get_running_loop()
+        if body.n > worker.max_batch + worker.max_queue:
+            raise ApiError(400, f"n {body.n} is more than this server runs and queues at once "
+                           f"({worker.max_batch + worker.max_queue})", "n")  # fmt: skip
         try:
             prepared = await loop.run_in_executor(tokenizing, worker.prepare, generation)
         except CausalDraftError as error:
             raise ApiError(400, str(error), param_of(str(error), generation)) from None
-        inbox = Inbox(mailbox_of(loop))
-        job = Job(prepared, inbox.deliver)
+        choices: list[Choice] = []
         try:
-            worker.submit(job)
+            for index in range(body.n):  # choice i samples with seed + i (greedy: n equal answers)
+                seed = None if generation.seed is None else generation.seed + index
+                inbox = Inbox(mailbox_of(loop))
+                job = Job(replace(prepared, request=replace(generation, seed=seed)), inbox.deliver)
+                worker.submit(job)
+                choices.append(Choice(index, job, inbox))
         except QueueFull as error:
+            cancel(choices)
             raise ApiError(429, str(error), None, "queue_full") from None
         try:
-            first = await wait_event(request, inbox, job)
-            if isinstance(first, Failed):
-                raise ApiError(first.status, first.message, first.param)
-            assert isinstance(first, Started)
+            for choice in choices:
+                first = await wait_event(request, choice.inbox, choice.job)
+                if isinstance(first, Failed):
+                    raise ApiError(first.status, first.message, first.param)
+                assert isinstance(first, Started)
             if body.stream:
-                return StreamingResponse(stream(inbox, job, reply, body.include_usage),
-                                         media_type="text/event-stream")  # fmt: skip
-            return await collect(request, inbox, job, reply)
+                return StreamingResponse(stream(choices, reply, body.include_usage), media_type="text/event-stream")
+            return await collect(request, choices, reply)
         except ClientGone:
-            inbox.close()
+            cancel(choices)
             return Response(status_code=499)
         except BaseException:
-            job.cancelled.set()
-            inbox.close()
+            cancel(choices)
             raise
 
     async def wait_event(request: Request, inbox: Inbox, job: Job) -> Event:
@@ -388,69 +434,71 @@ def create_app(
             if event is not None:
                 return event
 
-    async def collect(request: Request, inbox: Inbox, job: Job, reply: Reply) -> JSONResponse:
-        texts: list[str] = []
-        entries: list[TokenLogprob] = []
-        while True:
-            event = await wait_event(request, inbox, job)
-            if isinstance(event, Piece):
-                texts.append(event.text)
-                entries.extend(event.logprobs)
-            elif isinstance(event, Finished):
-                usage = Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                choice = reply.choice("".join(texts), event.finish_reason, False, entries)
-                return JSONResponse(reply.body([choice], False, usage))
-            elif isinstance(event, Failed):
-                raise ApiError(event.status, event.message, event.param)
+    async def collect(request: Request, choices: list[Choice], reply: Reply) -> JSONResponse:
+        """Every choice's whole answer (the worker decodes them together; their events wait in their inboxes)."""
+        for choice in choices:
+            while choice.finished is None:
+                event = await wait_event(request, choice.inbox, choice.job)
+                if isinstance(event, Failed):
+                    raise ApiError(event.status, event.message, event.param)
+                choice.take(event)
+        bodies = [reply.choice("".join(choice.texts), choice.reason, False, choice.pending, index=choice.index)
+                  for choice in choices]  # fmt: skip
+        return JSONResponse(reply.body(bodies, False, usage_of(choices)))
 
-    async def stream(inbox: Inbox, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks; if the client goes away, starlette cancels this generator and the job stops. Tokens whose
-        text is held back (a stop string's start, part of a character) send their log-probabilities with the next
-        text, or in a chunk of their own before the finishing one."""
-        pending: list[TokenLogprob] = []  # log-probabilities of tokens not sent yet
-        offset = 0  # the characters of the tokens sent so far (the legacy ``text_offset``)
+    async def stream(choices: list[Choice], reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE chunks, each choice's as its events come; if the client goes away, starlette cancels this generator
+        and the jobs stop. Tokens whose text is held back (a stop string's start, part of a character) send their
+        log-probabilities with the next text, or in a chunk of their own before the finishing one."""
 
-        def chunk(text: str) -> bytes:
-            nonlocal offset
-            choice = reply.choice(text, None, True, pending, offset)
-            if choice["logprobs"] is not None and not reply.chat:
-                offset += sum(len(token) for token in choice["logprobs"]["tokens"])
-            pending.clear()
-            return sse(reply.body([choice], True, None, include_usage))
+        def chunk(choice: Choice, text: str) -> bytes:
+            body = reply.choice(text, None, True, choice.pending, choice.offset, choice.index)
+            if body["logprobs"] is not None and not reply.chat:
+                choice.offset += sum(len(token) for token in body["logprobs"]["tokens"])
+            choice.pending.clear()
+            return sse(reply.body([body], True, None, include_usage))
 
+        waiting: dict[asyncio.Future[Event | None], Choice] = {}
         try:
-            if reply.chat:
-                first = reply.choice("", None, True)
-                first["delta"]["role"] = "assistant"
-                first["logprobs"] = None
-                yield sse(reply.body([first], True, None, include_usage))
-            while True:
-                event = await inbox.next(None)
-                if isinstance(event, Piece):
-                    pending.extend(event.logprobs)
-                    if event.text:
-                        yield chunk(event.text)
-                elif isinstance(event, Finished):
-                    if pending:
-                        yield chunk("")
-                    last = reply.choice("", event.finish_reason, True)
-                    last["logprobs"] = None
-                    if reply.chat:
-                        last["delta"] = {}  # OpenAI's last chunk: an empty delta with the finish reason
-                    yield sse(reply.body([last], True, None, include_usage))
-                    if include_usage:
-                        usage = Usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
-                        yield sse(reply.body([], True, usage))
-                    break
-                elif isinstance(event, Failed):
-                    error_type = ERROR_TYPES.get(event.status, "server_error")
-                    yield sse({"error": {"message": event.message, "type": error_type, "param": event.param,
-                                         "code": None}})  # fmt: skip
-                    break
+            for choice in choices:
+                if reply.chat:
+                    first = reply.choice("", None, True, index=choice.index)
+                    first["delta"]["role"] = "assistant"
+                    first["logprobs"] = None
+                    yield sse(reply.body([first], True, None, include_usage))
+                waiting[asyncio.ensure_future(choice.inbox.next(None))] = choice
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    choice, event = waiting.pop(task), task.result()
+                    if isinstance(event, Failed):
+                        error_type = ERROR_TYPES.get(event.status, "server_error")
+                        yield sse({"error": {"message": event.message, "type": error_type, "param": event.param,
+                                             "code": None}})  # fmt: skip
+                        yield sse("[DONE]")
+                        return
+                    if isinstance(event, Piece):
+                        choice.pending.extend(event.logprobs)
+                        if event.text:
+                            yield chunk(choice, event.text)
+                    if isinstance(event, Finished):
+                        choice.finished = event
+                        if choice.pending:
+                            yield chunk(choice, "")
+                        last = reply.choice("", event.finish_reason, True, index=choice.index)
+                        last["logprobs"] = None
+                        if reply.chat:
+                            last["delta"] = {}  # OpenAI's last chunk: an empty delta with the finish reason
+                        yield sse(reply.body([last], True, None, include_usage))
+                    else:
+                        waiting[asyncio.ensure_future(choice.inbox.next(None))] = choice
+            if include_usage:
+                yield sse(reply.body([], True, usage_of(choices)))
             yield sse("[DONE]")
         finally:
-            job.cancelled.set()
-            inbox.close()
+            for task in waiting:
+                task.cancel()
+            cancel(choices)
 
     return app
 

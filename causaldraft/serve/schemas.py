@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s).
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
-cannot honour are rejected with a clear message when they ask for something (``n`` other than 1,
-several prompts, ``echo``, tools, a JSON response format: ``UNSUPPORTED``), never silently ignored.
-``top_k`` and ``repetition_penalty`` (vLLM's extensions; ``top_k`` 0 or -1: off) are honoured, and so are
-``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` (completions: 0-20 alternatives
-per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
+cannot honour are rejected with a clear message when they ask for something (several prompts, ``echo``,
+tools, a JSON response format: ``UNSUPPORTED``), never silently ignored. ``top_k`` and
+``repetition_penalty`` (vLLM's extensions; ``top_k`` 0 or -1: off) are honoured, and so are ``n`` (up to
+``MAX_CHOICES``), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs``
+(completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from causaldraft.config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 MAX_PROMPT_CHARS = 1_000_000
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a whole request body; larger ones are refused before parsing (413)
 MAX_STOPS = 4
+MAX_CHOICES = 16  # n: answers per request (each one decoded as a request of the batch)
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -142,9 +143,9 @@ class GenerationParams(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def single_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def choices_in_range(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be from 1 to {MAX_CHOICES}, got {n}")
         return n
 
     def requested_logprobs(self) -> int | None:

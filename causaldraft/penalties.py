@@ -36,29 +36,43 @@ def penalized_logits(
     prompt_length: int,
     sampling: SamplingConfig,
 ) -> torch.Tensor:
-    """``logits`` with each node's penalties applied, float32 [n, vocab]."""
-    vocab = logits.shape[-1]
-    counts = torch.zeros(tree.size, vocab)  # [n, vocab]: each node's output counts
-    seen = torch.zeros(tree.size, vocab, dtype=torch.bool)  # [n, vocab]: tokens of each node's whole context
-    output = torch.tensor(tokens[prompt_length:], dtype=torch.long)
-    counts[:] = torch.bincount(output, minlength=vocab)[:vocab].float()
-    seen[:, torch.tensor(tokens, dtype=torch.long)] = True
+    """``logits`` with the bias and each node's penalties applied, float32 [n, vocab]. Only the columns of tokens
+    in some node's context can change, so the penalties are computed over those alone (a few hundred, not the
+    vocabulary: ~0.1 ms a pass instead of ~1-7)."""
+    scores = logits.float().clone()  # [n, vocab]
+    if sampling.logit_bias:
+        ids, biases = zip(*sampling.logit_bias, strict=True)
+        scores[:, list(ids)] += torch.tensor(biases)  # [n, len(ids)] + [len(ids)]
+    if not (sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0):
+        return scores
+    context = torch.tensor(tokens, dtype=torch.long)  # [T]
+    drafted = torch.tensor(tree.tokens[1:], dtype=torch.long)  # [n - 1]: node i's token at i - 1
+    columns = torch.unique(torch.cat([context, drafted]))  # [m] sorted: every token some node has seen
+    width = columns.numel()
+    output = torch.searchsorted(columns, context[prompt_length:])
+    counts = torch.bincount(output, minlength=width).float().expand(tree.size, width).clone()  # [n, m]
+    seen = torch.zeros(width, dtype=torch.bool)
+    seen[torch.searchsorted(columns, context)] = True
+    seen = seen.expand(tree.size, width).clone()  # [n, m]
+    drafted_columns = torch.searchsorted(columns, drafted).tolist()
+    rows, cols = [], []
     for node in range(1, tree.size):
         ancestor = node
         while ancestor > 0:  # the draft tokens on the node's path, itself included (the root is in ``tokens``)
-            counts[node, tree.tokens[ancestor]] += 1
-            seen[node, tree.tokens[ancestor]] = True
+            rows.append(node)
+            cols.append(drafted_columns[ancestor - 1])
             ancestor = tree.parents[ancestor]
-    scores = logits.float()
-    if sampling.logit_bias:
-        ids, biases = zip(*sampling.logit_bias, strict=True)
-        scores = scores.clone()
-        scores[:, list(ids)] += torch.tensor(biases)  # [n, len(ids)] + [len(ids)]
+    if rows:
+        where = (torch.tensor(rows), torch.tensor(cols))
+        counts.index_put_(where, torch.ones(len(rows)), accumulate=True)
+        seen[where] = True
+    values = scores[:, columns]  # [n, m]
     if sampling.repetition_penalty != 1.0:
         penalty = sampling.repetition_penalty
-        scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+        values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
     if sampling.frequency_penalty:
-        scores = scores - sampling.frequency_penalty * counts
+        values = values - sampling.frequency_penalty * counts
     if sampling.presence_penalty:
-        scores = scores - sampling.presence_penalty * (counts > 0).float()
+        values = values - sampling.presence_penalty * (counts > 0).float()
+    scores[:, columns] = values
     return scores

@@ -60,7 +60,8 @@ def token_id(item: object) -> int:
 
 
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES, "logit_bias")  # SamplingConfig's fields
-REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, "stop", "chat", "logprobs")
+STOP_OPTIONS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")  # when the output ends
+REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "logprobs")
 
 
 def check_request_options(options: Mapping[str, object]) -> None:
@@ -76,6 +77,9 @@ def check_request_options(options: Mapping[str, object]) -> None:
         sampling["logit_bias"] = bias_pairs(sampling["logit_bias"] or ())
     SamplingConfig(**sampling)  # type: ignore[arg-type]
     stop_strings(options.get("stop"))
+    stop_token_set(options.get("stop_token_ids"))
+    ignore_eos, min_tokens = options.get("ignore_eos", False), options.get("min_tokens", 0)
+    check_stop_options(ignore_eos, min_tokens, options.get("max_new_tokens", 256))
     validate_top_logprobs(options.get("logprobs"))
     if not isinstance(options.get("chat", False), bool):
         raise CausalDraftError(f"chat must be True or False, got {options['chat']!r}")
@@ -87,6 +91,25 @@ def stop_strings(stop: object) -> list[str]:
     if stop is not None and (items is None or not all(isinstance(item, str) for item in items)):
         raise CausalDraftError(f"stop must be a string or a list of strings, got {stop!r}")
     return [item for item in items or [] if item]
+
+
+def stop_token_set(value: object) -> frozenset[int]:
+    """``stop_token_ids`` (vLLM's): None or a list of token ids (checked against the vocabulary at the request)."""
+    if value is None:
+        return frozenset()
+    if not isinstance(value, (list, tuple)):
+        raise CausalDraftError(f"stop_token_ids must be a list of token ids, got {value!r}")
+    return frozenset(token_id(item) for item in value)
+
+
+def check_stop_options(ignore_eos: object, min_tokens: object, max_new_tokens: object) -> None:
+    """``ignore_eos`` is a bool; ``min_tokens`` an integer from 0 to max_new_tokens (CausalDraftError otherwise)."""
+    if not isinstance(ignore_eos, bool):
+        raise CausalDraftError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise CausalDraftError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+    if isinstance(max_new_tokens, int) and min_tokens > max_new_tokens:
+        raise CausalDraftError(f"min_tokens {min_tokens} is more than max_new_tokens {max_new_tokens}")
 
 
 @dataclass(frozen=True)
@@ -188,6 +211,9 @@ class Engine:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
         decoder: Decoder | None = None,
         cache: Cache | None = None,
         read_prompt: bool = True,
@@ -198,8 +224,9 @@ class Engine:
         ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
         chunk per step). ``logprobs``: each new token's log-probability with that many alternatives
         (0-20; None: none), in the stream's pieces (``logprobs.py``). The penalties and ``logit_bias`` ({token id:
-        bias in [-100, 100]}): ``penalties.py``.
-        Raises CausalDraftError for bad input."""
+        bias in [-100, 100]}): ``penalties.py``. vLLM's ``stop_token_ids`` (more tokens that end the output, kept
+        in it like EOS), ``ignore_eos`` (EOS does not end it) and ``min_tokens`` (no stop token before this many new
+        tokens). Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
         if not isinstance(chat, bool):
             raise CausalDraftError(f"chat must be True or False, got {chat!r}")
@@ -209,6 +236,10 @@ class Engine:
         vocab = self.model.backend.shape.vocab_size
         if any(token >= vocab for token, _ in sampling.logit_bias):
             raise CausalDraftError(f"logit_bias keys are token ids below the vocabulary's size, {vocab}")
+        check_stop_options(ignore_eos, min_tokens, max_new_tokens)
+        extra_stops = stop_token_set(stop_token_ids)
+        if any(token < 0 or token >= vocab for token in extra_stops):
+            raise CausalDraftError(f"stop_token_ids must be token ids in [0, {vocab})")
         stops = stop_strings(stop)
         top_logprobs = validate_top_logprobs(logprobs)
         prompt_ids = self.encode(prompt, chat)
@@ -228,6 +259,8 @@ class Engine:
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
         if top_logprobs is not None:
             state.logprobs, state.top_logprobs = [], top_logprobs
+        state.stop_token_ids = (frozenset() if ignore_eos else decoder.eos_token_ids) | extra_stops
+        state.min_tokens = min_tokens
         adapt = initial_adapt_state(decoder.tree, timed=False) if seeded else self.adapt
         if decoder is not self.decoder:
             adapt = copy.deepcopy(adapt)  # a batched stream adapts on its own

@@ -21,7 +21,7 @@ from causaldraft.drafters.base import Draft, DraftContext, Drafter, StepResult
 from causaldraft.errors import CausalDraftError, ContextOverflow
 from causaldraft.logprobs import TokenLogprob, token_logprobs
 from causaldraft.models.base import Backend, Cache, ForwardOutput
-from causaldraft.penalties import penalized_logits
+from causaldraft.penalties import penalized_logits, without_early_stops
 from causaldraft.prefix import PrefixStore, copy_chunks
 from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
@@ -97,6 +97,8 @@ class DecodeState:
     noise_seed: int | None = None  # Gumbel sampling: the seed the noise of every position is keyed by
     logprobs: list[TokenLogprob] | None = None  # each emitted token's (``logprobs.py``); None: not asked for
     top_logprobs: int = 0  # alternatives kept per token with ``logprobs``
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end the output (PromptRead: the decoder's EOS ids)
+    min_tokens: int = 0  # no stop token may be chosen before this many new tokens (``penalties.without_early_stops``)
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ class PromptRead:
                 f"context of {cache.max_len} tokens per sequence"
             )
         self.decoder = decoder
-        self.state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats())
+        self.state = DecodeState(list(prompt), len(prompt), cache, None, generator, GenerationStats(),
+                                 stop_token_ids=decoder.eos_token_ids)  # fmt: skip
         self.features: list[torch.Tensor] = []  # the drafter's features of the rows read so far
         if prefixes is not None and prefixes.chunk != PROMPT_CHUNK:
             raise ValueError(f"a prefix store for prompts keeps chunks of {PROMPT_CHUNK} rows, not {prefixes.chunk}")
@@ -282,10 +285,12 @@ def accept_pass(
     sampling: SamplingConfig,
 ) -> Acceptance:  # fmt: skip
     """The accepted path of a verified tree, by the engine's acceptance rule (each node penalized along its own
-    path first, when the request has penalties)."""
+    path first, when the request has penalties, and kept from stopping before ``min_tokens``)."""
     logits = out.logits  # [n, vocab]
     if sampling.penalized:
         logits = penalized_logits(logits, draft.tree, state.tokens, state.prompt_length, sampling)
+    if state.min_tokens > state.stats.new_tokens:
+        logits = without_early_stops(logits, draft.tree, state.stats.new_tokens, state.min_tokens, state.stop_token_ids)
     if sampling.greedy:
         return verify_greedy(draft.tree, logits)
     if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
@@ -368,7 +373,7 @@ def accept_tokens(decoder: Decoder, state: DecodeState, tokens: list[int], max_n
         state.tokens.append(token)
         emitted.append(token)
         state.stats.new_tokens += 1
-        if token in decoder.eos_token_ids:
+        if token in state.stop_token_ids:
             state.finished, state.finish_reason = True, "stop"
             break
         if state.stats.new_tokens >= max_new_tokens:

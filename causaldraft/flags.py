@@ -127,6 +127,17 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logit-bias", action="append", default=None, type=bias_flag, metavar="ID=BIAS",
                         help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256, help="new tokens at most (default: %(default)s)")
+    parser.add_argument(
+        "--stop-token-id",
+        action="append",
+        type=int,
+        default=None,
+        dest="stop_token_ids",
+        metavar="ID",
+        help="a token that ends the output, as EOS does (repeatable)",
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="EOS does not end the output")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no stop token before this many new tokens")
     parser.add_argument("--stop", action="append", default=None, type=stop_string,
                         help=r"stop string (repeatable); \n, \t, \r and \\ in it are a newline, a tab, a carriage "
                         r"return and a backslash")  # fmt: skip
@@ -144,7 +155,8 @@ def stop_string(text: str) -> str:
 
 def request_options(args: argparse.Namespace) -> dict[str, object]:
     """A request's options (``api.REQUEST_OPTIONS``) from ``add_sampling_flags``' flags."""
-    names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", *PENALTIES, "stop")
+    names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", *PENALTIES, "stop", "stop_token_ids",
+             "ignore_eos", "min_tokens")  # fmt: skip
     return {**{name: getattr(args, name) for name in names}, "logit_bias": dict(args.logit_bias or [])}
 
 

@@ -76,3 +76,22 @@ def penalized_logits(
         values = values - sampling.presence_penalty * (counts > 0).float()
     scores[:, columns] = values
     return scores
+
+
+def without_early_stops(
+    logits: torch.Tensor,  # [n, vocab]: row i chooses new token number ``emitted + depth(i)``
+    tree: Tree,
+    emitted: int,  # new tokens so far
+    min_tokens: int,
+    stop_token_ids: frozenset[int],
+) -> torch.Tensor:
+    """``logits`` with the stop tokens made impossible (-inf) in the rows that choose a new token before the
+    ``min_tokens``-th, as plain decoding does at those positions (vLLM's ``min_tokens``). Example: 3 tokens emitted,
+    min_tokens 5: the root (depth 0) and its children (depth 1) choose tokens 4 and 5, so their rows lose the stop
+    tokens; grandchildren choose token 6 and keep them."""
+    early = [node for node, depth in enumerate(tree.depths) if emitted + depth < min_tokens]
+    if not early or not stop_token_ids:
+        return logits
+    scores = logits.clone()
+    scores[torch.tensor(early)[:, None], torch.tensor(sorted(stop_token_ids))[None, :]] = float("-inf")
+    return scores

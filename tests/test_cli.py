@@ -50,6 +50,11 @@ def test_generate_takes_the_penalties(tiny_llama_dir: Path, capsys: pytest.Captu
     assert penalized == engine.generate("abcabc", max_new_tokens=16, frequency_penalty=1.5, repetition_penalty=1.3,
                                         logit_bias={100: 2.5, 120: -3.0}).token_ids  # fmt: skip
     assert penalized != engine.generate("abcabc", max_new_tokens=16).token_ids
+    stop = engine.generate("abcabc", max_new_tokens=16).token_ids[5]
+    assert main([*common, "--stop-token-id", str(stop), "--min-tokens", "3", "--ignore-eos"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    expected = engine.generate("abcabc", max_new_tokens=16, stop_token_ids=[stop], min_tokens=3, ignore_eos=True)
+    assert payload["token_ids"] == expected.token_ids and payload["finish_reason"] == expected.finish_reason
 
 
 def test_generate_stream_prints_the_same_text(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,7 +112,7 @@ def test_bad_input_is_one_clear_line(
      (["--temperature", "nan"], "temperature"), (["--top-k", "-1"], "top_k"),
      (["--json", "--logprobs", "21"], "logprobs"), (["--logprobs", "2"], "add --json"),
      (["--repetition-penalty", "0"], "repetition_penalty"), (["--presence-penalty", "3"], "presence_penalty"),
-     (["--logit-bias", "5=101"], "logit_bias")],
+     (["--logit-bias", "5=101"], "logit_bias"), (["--min-tokens", "-2"], "min_tokens")],
 )  # fmt: skip
 def test_bad_request_values_are_refused_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str

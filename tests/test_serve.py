@@ -215,6 +215,11 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(logit_bias={"5": 1000}), "logit_bias"),
     ("completions", completion(logit_bias={"x": 1}), "logit_bias"),
     ("completions", completion(logit_bias={"999999": 1}), "logit_bias"),
+    ("completions", completion(stop_token_ids="x"), "stop_token_ids"),
+    ("completions", completion(stop_token_ids=[999999]), "stop_token_ids"),
+    ("completions", completion(min_tokens=-1), "min_tokens"),
+    ("completions", completion(min_tokens=10), "min_tokens"),  # more than max_tokens (4)
+    ("chat/completions", chat(ignore_eos="yes"), "ignore_eos"),
     ("completions", completion(presence_penalty=3), "presence_penalty"),
     ("completions", completion(frequency_penalty="x"), "frequency_penalty"),
     ("completions", completion(repetition_penalty=0), "repetition_penalty"),
@@ -381,6 +386,17 @@ def test_n_choices_are_each_one_request_s_answer(
                 reasons[choice["index"]] = choice["finish_reason"]
     assert streamed == texts and set(reasons) == {0, 1}
     assert sampled.usage is not None and chunks[-1]["usage"]["completion_tokens"] == sampled.usage.completion_tokens
+
+
+def test_stop_token_ids_and_min_tokens_are_the_engine_s(client: openai.OpenAI, reference: Engine) -> None:
+    whole = reference.generate("abcabc", max_new_tokens=12).token_ids
+    stop = whole[4]
+    options = {"stop_token_ids": [stop], "min_tokens": 6, "ignore_eos": True}
+    result = client.completions.create(model=MODEL, prompt="abcabc", max_tokens=12, temperature=0, extra_body=options)
+    expected = reference.generate("abcabc", max_new_tokens=12, **options)
+    assert result.choices[0].text == expected.text and result.choices[0].finish_reason == expected.finish_reason
+    assert result.usage is not None and result.usage.completion_tokens == len(expected.token_ids)
+    assert expected.token_ids != reference.generate("abcabc", max_new_tokens=12, stop_token_ids=[stop]).token_ids
 
 
 def test_completion_logprobs_count_each_token_s_offset(

@@ -384,7 +384,8 @@ def create_app(
                            "tokens", "max_tokens")  # fmt: skip
         penalties = (body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
         return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops(),
-                                 body.sampling_top_k, body.requested_logprobs(), penalties, body.bias())  # fmt: skip
+                                 body.sampling_top_k, body.requested_logprobs(), penalties, body.bias(),
+                                 body.stop_token_ids or [], body.ignore_eos, body.min_tokens)  # fmt: skip
 
     async def respond(
         request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply

@@ -3,7 +3,8 @@
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
 cannot honour are rejected with a clear message when they ask for something (several prompts, ``echo``,
 tools, a JSON response format: ``UNSUPPORTED``), never silently ignored. ``top_k`` and
-``repetition_penalty`` (vLLM's extensions; ``top_k`` 0 or -1: off) are honoured, and so are ``n`` (up to
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` (vLLM's extensions; ``top_k``
+0 or -1: off) are honoured, and so are ``n`` (up to
 ``MAX_CHOICES``), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs``
 (completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
 """
@@ -107,6 +108,9 @@ class GenerationParams(BaseModel):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0  # vLLM's extension; 1: off
     logit_bias: dict[str, Bias] | None = None  # token id (a JSON key, so a string) -> added to its logit
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: more tokens that end the output
+    ignore_eos: bool = False  # vLLM's: EOS does not end the output
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no stop token before this many new tokens
     stop: Stop = None
     seed: int | None = None
     n: int = 1
@@ -133,7 +137,7 @@ class GenerationParams(BaseModel):
         return stop
 
     @field_validator("temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", mode="before")  # fmt: skip
+                     "repetition_penalty", "ignore_eos", "min_tokens", mode="before")  # fmt: skip
     @classmethod
     def null_means_default(cls, value: object, info: ValidationInfo) -> object:
         """Clients often send ``null`` for parameters they leave unset."""

@@ -52,6 +52,9 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives per token in the pieces' log-probabilities; None: none
     penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)  # presence, frequency, repetition (penalties.py)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: more tokens that end the output
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     @property
     def default_max_tokens(self) -> int:
@@ -233,6 +236,8 @@ class Worker:
             stream = self.batch.add(prompt_ids, max_new_tokens=max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                                     stop=request.stop, logprobs=request.logprobs, logit_bias=request.logit_bias,
+                                    stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+                                    min_tokens=request.min_tokens,
                                     **dict(zip(PENALTIES, request.penalties, strict=True)))  # fmt: skip
         except CausalDraftError as error:
             self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
@@ -296,7 +301,8 @@ def param_of(message: str, request: GenerationRequest) -> str | None:
 
 
 def message_param(message: str) -> str | None:
-    for name, param in (("logit_bias", "logit_bias"), ("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"),
+    for name, param in (("logit_bias", "logit_bias"), ("stop_token_ids", "stop_token_ids"),
+                        ("min_tokens", "min_tokens"), ("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"),
                         ("prompt", "prompt"),
                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
                         ("logprobs", "logprobs"), ("presence_penalty", "presence_penalty"),

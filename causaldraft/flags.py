@@ -96,7 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    """A request's flags: its ``SamplingConfig``, max_new_tokens and stop strings (``request_options``)."""
+    """A request's flags: its ``SamplingConfig``, max_new_tokens and when its output ends (``request_options``)."""
     parser.add_argument(
         "--temperature",
         type=float,

@@ -244,7 +244,6 @@ def draft_step(decoder: Decoder, state: DecodeState, policy: BudgetPolicy, sampl
         noise_seed=state.noise_seed,
         gate=limits.gate,
         lookup_depth=min(limits.lookup_depth, max_depth),
-        prompt_length=state.prompt_length,
     )
     draft = policy.prune(decoder.drafter.propose(context)).within_depth(max_depth)
     if draft.tree.size <= max_nodes:

@@ -66,17 +66,7 @@ def penalized_logits(
         where = (torch.tensor(rows), torch.tensor(cols))
         counts.index_put_(where, torch.ones(len(rows)), accumulate=True)
         seen[where] = True
-    scores[:, columns] = penalize(scores[:, columns], seen, counts, sampling)
-    return scores
-
-
-def penalize(
-    values: torch.Tensor,  # [n, m]: the logits of the columns some node has seen
-    seen: torch.Tensor,  # [n, m] bool: in the node's prompt or output
-    counts: torch.Tensor,  # [n, m]: occurrences in the node's output
-    sampling: SamplingConfig,
-) -> torch.Tensor:
-    """The penalties' element-wise operations, in vLLM's order (repetition, then frequency and presence)."""
+    values = scores[:, columns]  # [n, m]
     if sampling.repetition_penalty != 1.0:
         penalty = sampling.repetition_penalty
         values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
@@ -84,68 +74,7 @@ def penalize(
         values = values - sampling.frequency_penalty * counts
     if sampling.presence_penalty:
         values = values - sampling.presence_penalty * (counts > 0).float()
-    return values
-
-
-def penalized_draft_logits(
-    logits: torch.Tensor,  # [m, V']: a drafter's logits for ``nodes``, over its reduced vocabulary
-    vocab_ids: torch.Tensor,  # [V']: the target id of each draft id
-    tree: Tree,
-    nodes: Sequence[int],
-    tokens: Sequence[int],  # the prompt and the output so far; the last one is the tree's root
-    prompt_length: int,
-    sampling: SamplingConfig,
-) -> torch.Tensor:
-    """A drafter's logits with the request's bias and penalties applied as verification will apply them to each
-    node's children (each node's own path), so its guesses follow the penalized target. Drafting only: what the
-    target emits never depends on it. The draft ids outside the vocabulary ``vocab_ids`` covers are left alone."""
-    if not sampling.penalized:
-        return logits
-    scores = logits.clone()
-    order = torch.argsort(vocab_ids)
-    ordered = vocab_ids[order]
-
-    def draft_columns(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids the draft vocabulary holds, and their draft columns."""
-        where = torch.searchsorted(ordered, ids).clamp(max=len(ordered) - 1)
-        held = ordered[where] == ids
-        return ids[held], order[where[held]]
-
-    if sampling.logit_bias:
-        ids, biases = zip(*sampling.logit_bias, strict=True)
-        held, columns = draft_columns(torch.tensor(ids))
-        bias_of = dict(sampling.logit_bias)
-        scores[:, columns] += torch.tensor([bias_of[int(token)] for token in held])
-    if not (sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0):
-        return scores
-    paths = []
-    for node in nodes:
-        path, ancestor = [], node
-        while ancestor > 0:  # the draft tokens from the root's child down to the node
-            path.append(tree.tokens[ancestor])
-            ancestor = tree.parents[ancestor]
-        paths.append(path)
-    context = torch.tensor(tokens, dtype=torch.long)
-    every = torch.unique(
-        torch.cat([context, torch.tensor([token for path in paths for token in path], dtype=torch.long)])
-    )
-    held, columns = draft_columns(every)  # held: sorted target ids; columns: their draft columns
-    width = held.numel()
-    if not width:
-        return scores
-    output = context[prompt_length:]
-    output = output[torch.isin(output, held)]
-    counts = torch.bincount(torch.searchsorted(held, output), minlength=width).float().expand(len(nodes), width).clone()
-    seen = torch.zeros(width, dtype=torch.bool)
-    seen[torch.searchsorted(held, context[torch.isin(context, held)])] = True
-    seen = seen.expand(len(nodes), width).clone()
-    index = {int(token): column for column, token in enumerate(held.tolist())}
-    for row, path in enumerate(paths):
-        for token in path:
-            if token in index:
-                counts[row, index[token]] += 1
-                seen[row, index[token]] = True
-    scores[:, columns] = penalize(scores[:, columns], seen, counts, sampling)
+    scores[:, columns] = values
     return scores
 
 

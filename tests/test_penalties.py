@@ -18,7 +18,7 @@ from causaldraft.config import SamplingConfig
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel
 from causaldraft.models.native import NativeLlama
-from causaldraft.penalties import penalized_draft_logits, penalized_logits
+from causaldraft.penalties import penalized_logits
 from causaldraft.sampling import warp_probs
 from causaldraft.tree import Tree
 from tests.test_eagle3 import AUX, layer_dir
@@ -196,25 +196,3 @@ def test_bad_penalties_are_refused_at_the_call(models: dict[str, LoadedModel], o
     with pytest.raises(CausalDraftError, match="vocabulary"):
         engine.generate("hi", max_new_tokens=2, logit_bias={engine.model.backend.shape.vocab_size: 1.0})
     assert engine.generate("hi", max_new_tokens=2).token_ids  # the engine is still usable
-
-
-def test_draft_logits_are_penalized_as_verification_penalizes_the_same_columns() -> None:
-    """A drafter's reduced vocabulary (target ids 9, 2, 5, 7, in its own order): each drafted node's draft logits
-    get exactly what ``penalized_logits`` gives those target columns at that node, so the drafter's guesses follow
-    the penalized target; ids the draft vocabulary lacks are skipped."""
-    generator = torch.Generator().manual_seed(0)
-    tree = Tree(parents=(-1, 0, 0, 1, 3), tokens=(2, 5, 9, 7, 5))
-    tokens, prompt_length = [1, 5, 8, 2, 9, 2], 3  # output (2, 9, 2); the root is the last 2
-    target = torch.randn(tree.size, 10, generator=generator) * 3
-    vocab_ids = torch.tensor([9, 2, 5, 7])
-    sampling = SamplingConfig(frequency_penalty=0.7, presence_penalty=-0.4, repetition_penalty=1.5,
-                              logit_bias=((5, 2.0), (6, -1.0)))  # fmt: skip
-    expected = penalized_logits(target, tree, tokens, prompt_length, sampling)[:, vocab_ids]
-    nodes = [1, 3, 4]
-    drafted = penalized_draft_logits(target[nodes][:, vocab_ids], vocab_ids, tree, nodes, tokens, prompt_length,
-                                     sampling)  # fmt: skip
-    assert torch.equal(drafted, expected[nodes])
-    assert not torch.equal(drafted, target[nodes][:, vocab_ids])
-    plain = SamplingConfig()
-    draft_logits = target[nodes][:, vocab_ids]
-    assert penalized_draft_logits(draft_logits, vocab_ids, tree, nodes, tokens, prompt_length, plain) is draft_logits

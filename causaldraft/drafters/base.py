@@ -29,7 +29,6 @@ class DraftContext:
     gate: LevelGate | None = None
     # longest prompt-lookup path (its tokens cost no drafting, so it may exceed ``depth``); 0: ``depth``
     lookup_depth: int = 0
-    prompt_length: int = 0  # tokens[:prompt_length] is the prompt (the penalties count the output alone)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.loading import LoadedModel
 from causaldraft.models.quant import Int8Linear, quantize_int8
-from causaldraft.penalties import penalized_draft_logits
 from causaldraft.tree import Candidates, LevelGate, Tree, build_tree
 
 INITIAL_ROWS = 1024
@@ -199,8 +198,6 @@ class Eagle3Drafter:
                 written += len(fresh)
             states = torch.stack([outputs[node] for node in nodes])  # [m, h]
             logits = self.project(layer.norm(states)).float()  # [m, V']
-            logits = penalized_draft_logits(logits, layer.vocab_ids, tree, nodes, context.tokens, context.prompt_length,
-                                            context.sampling)  # fmt: skip
             children_at = [root_position + depths[node] + 1 for node in nodes]
             c = layer.config
             temperatures = (c.score_temperature, c.sampling_temperature_scale, c.noise_score_temperature)

@@ -60,6 +60,7 @@ def token_id(item: object) -> int:
 
 
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES, "logit_bias")  # SamplingConfig's fields
+DEFAULT_MAX_NEW_TOKENS = 256  # a request's, when it names none
 STOP_OPTIONS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")  # when the output ends
 REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "logprobs")
 
@@ -79,7 +80,7 @@ def check_request_options(options: Mapping[str, object]) -> None:
     stop_strings(options.get("stop"))
     stop_token_set(options.get("stop_token_ids"))
     ignore_eos, min_tokens = options.get("ignore_eos", False), options.get("min_tokens", 0)
-    check_stop_options(ignore_eos, min_tokens, options.get("max_new_tokens", 256))
+    check_stop_options(ignore_eos, min_tokens, options.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     validate_top_logprobs(options.get("logprobs"))
     if not isinstance(options.get("chat", False), bool):
         raise CausalDraftError(f"chat must be True or False, got {options['chat']!r}")
@@ -199,7 +200,7 @@ class Engine:
     def start(
         self,
         prompt: Prompt,
-        max_new_tokens: int = 256,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,

@@ -62,7 +62,7 @@ def token_id(item: object) -> int:
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES, "logit_bias")  # SamplingConfig's fields
 DEFAULT_MAX_NEW_TOKENS = 256  # a request's, when it names none
 STOP_OPTIONS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")  # when the output ends
-REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "logprobs")
+REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "logprobs", "prompt_logprobs")
 
 
 def check_request_options(options: Mapping[str, object]) -> None:
@@ -82,6 +82,7 @@ def check_request_options(options: Mapping[str, object]) -> None:
     ignore_eos, min_tokens = options.get("ignore_eos", False), options.get("min_tokens", 0)
     check_stop_options(ignore_eos, min_tokens, options.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     validate_top_logprobs(options.get("logprobs"))
+    validate_top_logprobs(options.get("prompt_logprobs"), "prompt_logprobs")
     if not isinstance(options.get("chat", False), bool):
         raise CausalDraftError(f"chat must be True or False, got {options['chat']!r}")
 
@@ -120,6 +121,7 @@ class Generation:
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or stop string) | "length"
     logprobs: list[TokenLogprob] | None = None  # one per token id, with ``logprobs=`` (logprobs.py)
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token but the first, with ``prompt_logprobs=``
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Completion:
     stats: GenerationStats
     finish_reason: str  # "stop" (EOS or stop string) | "length"
     prompt_tokens: int
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (``prompt_logprobs=``)
 
 
 @dataclass
@@ -208,6 +211,7 @@ class Engine:
         stop: Sequence[str] | str | None = None,
         chat: bool = False,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
@@ -224,10 +228,11 @@ class Engine:
         ``cache``: a batched stream's own drafter and pool slot (default: the engine's, a new cache).
         ``read_prompt=False`` leaves the prompt to ``RequestRun.read_prompt`` (a batch reads it a
         chunk per step). ``logprobs``: each new token's log-probability with that many alternatives
-        (0-20; None: none), in the stream's pieces (``logprobs.py``). The penalties and ``logit_bias`` ({token id:
-        bias in [-100, 100]}): ``penalties.py``. vLLM's ``stop_token_ids`` (more tokens that end the output, kept
-        in it like EOS), ``ignore_eos`` (EOS does not end it) and ``min_tokens`` (no stop token before this many new
-        tokens). Raises CausalDraftError for bad input."""
+        (0-20; None: none), in the stream's pieces (``logprobs.py``); ``prompt_logprobs``: the same for every
+        prompt token but the first, in the ``Completion`` (read from the prompt's passes, ``PromptRead``). The
+        penalties and ``logit_bias`` ({token id: bias in [-100, 100]}): ``penalties.py``. vLLM's ``stop_token_ids``
+        (more tokens that end the output, kept in it like EOS), ``ignore_eos`` (EOS does not end it) and
+        ``min_tokens`` (no stop token before this many new tokens). Raises CausalDraftError for bad input."""
         decoder = decoder or self.decoder
         if not isinstance(chat, bool):
             raise CausalDraftError(f"chat must be True or False, got {chat!r}")
@@ -243,6 +248,7 @@ class Engine:
             raise CausalDraftError(f"stop_token_ids must be token ids in [0, {vocab})")
         stops = stop_strings(stop)
         top_logprobs = validate_top_logprobs(logprobs)
+        top_prompt_logprobs = validate_top_logprobs(prompt_logprobs, "prompt_logprobs")
         prompt_ids = self.encode(prompt, chat)
         generator = None if sampling.greedy else make_generator(seed)
         gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel" and decoder.decode.acceptance == "lossless"
@@ -254,7 +260,8 @@ class Engine:
         seeded = seed is not None and not sampling.greedy and not gumbel
         threads = None if seeded else self.threads
         started = time.perf_counter()
-        prompt_read = PromptRead(decoder, prompt_ids, max_new_tokens, generator, cache, self.prefixes)
+        prompt_read = PromptRead(decoder, prompt_ids, max_new_tokens, generator, cache, self.prefixes,
+                                 top_prompt_logprobs)  # fmt: skip
         state = prompt_read.state
         if gumbel:
             state.noise_seed = seed if seed is not None else random.getrandbits(63)
@@ -359,7 +366,8 @@ class RequestRun:
         # a stop string ends the output there: the tokens after it are not this request's output
         reason = "stop" if self.text.stopped else (self.state.finish_reason or "stop")
         stats = replace(self.state.stats, new_tokens=self.kept_tokens, wall_s=time.perf_counter() - self.started)
-        return [*pieces, Completion(stats, reason, self.prompt_tokens)]
+        scored = self.prompt_read.scored
+        return [*pieces, Completion(stats, reason, self.prompt_tokens, None if scored is None else tuple(scored))]
 
 
 def as_generation(events: list[StreamPiece | Completion], logprobs: bool) -> Generation:
@@ -371,7 +379,8 @@ def as_generation(events: list[StreamPiece | Completion], logprobs: bool) -> Gen
     text = "".join(piece.text for piece in pieces)
     ids = [token for piece in pieces for token in piece.token_ids]
     entries = [entry for piece in pieces for entry in piece.logprobs] if logprobs else None
-    return Generation(text, ids, completion.stats, completion.finish_reason, entries)
+    scored = None if completion.prompt_logprobs is None else list(completion.prompt_logprobs)
+    return Generation(text, ids, completion.stats, completion.finish_reason, entries, scored)
 
 
 class TextTracker:

@@ -313,13 +313,13 @@ def validate_max_new_tokens(max_new_tokens: object) -> int:
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request's logprobs may carry (OpenAI's chat limit, vLLM's default)
 
 
-def validate_top_logprobs(value: object) -> int | None:
-    """``logprobs`` as a request gives it: None (off) or the number of alternatives per token, 0..MAX_TOP_LOGPROBS
-    (0: the emitted tokens' own log-probabilities only; ``logprobs.py``)."""
+def validate_top_logprobs(value: object, name: str = "logprobs") -> int | None:
+    """``logprobs`` (or ``prompt_logprobs``, named ``name``) as a request gives it: None (off) or the number of
+    alternatives per token, 0..MAX_TOP_LOGPROBS (0: the tokens' own log-probabilities only; ``logprobs.py``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise CausalDraftError(
-            f"logprobs must be None or an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), got {value!r}"
+            f"{name} must be None or an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token), got {value!r}"
         )
     return value

@@ -128,12 +128,16 @@ class PromptRead:
     that continue the cached prefix instead of reading them (the same bits: ``prefix``), and each whole
     chunk it reads is kept.
 
+    With ``prompt_logprobs`` (alternatives per token, 0-20), each pass scores every row it reads: row i
+    predicts prompt token i + 1, so ``scored`` ends with one ``TokenLogprob`` per prompt token but the first
+    (which nothing predicts). Kept chunks are then read again, not copied (a copy has no logits).
+
     Checks the request first (CausalDraftError): an empty prompt, or one that with max_new_tokens
     overruns the context; ``cache``, when given, must be empty (a batch's pool slot)."""
 
     def __init__(
         self, decoder: Decoder, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None,
-        cache: Cache | None = None, prefixes: PrefixStore | None = None,
+        cache: Cache | None = None, prefixes: PrefixStore | None = None, prompt_logprobs: int | None = None,
     ) -> None:  # fmt: skip
         if not prompt:
             raise CausalDraftError("the prompt is empty")
@@ -158,6 +162,8 @@ class PromptRead:
         if prefixes is not None and prefixes.chunk != PROMPT_CHUNK:
             raise ValueError(f"a prefix store for prompts keeps chunks of {PROMPT_CHUNK} rows, not {prefixes.chunk}")
         self.prefixes = prefixes if isinstance(cache, KVCache) else None  # rows copied as they are: native caches
+        self.top_scored = prompt_logprobs or 0
+        self.scored: list[TokenLogprob] | None = None if prompt_logprobs is None else []  # prompt tokens 1..
         self.done = False
 
     @property
@@ -180,11 +186,15 @@ class PromptRead:
             mask = torch.ones(count, length + count, dtype=torch.bool)
             mask[:, length:] = mask[:, length:].tril()
             reader = decoder.prefill_target or decoder.target
+            scored_rows = None if self.scored is not None else torch.tensor([count - 1])  # None: every row
             out = reader.forward(
-                tokens, torch.arange(length, length + count), mask, state.cache, torch.tensor([count - 1]),
+                tokens, torch.arange(length, length + count), mask, state.cache, scored_rows,
                 decoder.drafter.feature_layers,
             )  # fmt: skip
             state.hidden = out.hidden[-1]
+            if self.scored is not None:
+                predicted = state.tokens[length + 1 : length + count + 1]
+                self.scored.extend(token_logprobs(out.logits, range(count), predicted, self.top_scored))
             if out.aux is not None:
                 self.features.append(out.aux)
             whole_chunk = count == PROMPT_CHUNK and not length % PROMPT_CHUNK
@@ -202,6 +212,8 @@ class PromptRead:
         """Copy the kept chunks that continue the cached prefix (and their features) into the cache."""
         state = self.state
         if self.prefixes is None or not isinstance(state.cache, KVCache) or state.cache.length % PROMPT_CHUNK:
+            return
+        if self.scored is not None:  # every row's logits are asked for: read them
             return
         found = self.prefixes.find(state.tokens[: state.prompt_length], state.cache.length // PROMPT_CHUNK, conditions)
         if self.decoder.drafter.feature_layers:  # conditions name the feature layers: kept chunks carry them

@@ -32,6 +32,7 @@ from causaldraft.serve.worker import (
     Started,
     Worker,
 )
+from tests.test_prompt_logprobs import whole_pass_logprobs
 from tests.tiny import save_tiny_llama
 
 MODEL = "tiny"
@@ -70,6 +71,11 @@ def client(server: BackgroundServer) -> openai.OpenAI:
 
 def metrics(server: BackgroundServer) -> dict[str, float]:
     return parse_metrics(httpx.get(f"{server.url}/metrics").text)
+
+
+def idle(server: BackgroundServer) -> bool:
+    now = metrics(server)
+    return now["causaldraft_requests_running"] == now["causaldraft_queue_depth"] == 0
 
 
 def wait_until(condition: Any, timeout_s: float = 60.0) -> None:
@@ -205,7 +211,9 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(max_tokens=-3), "max_tokens"),
     ("chat/completions", chat(n=17), "n"),
     ("chat/completions", chat(model="other"), "model"),
-    ("completions", completion(echo=True), "echo"),
+    ("chat/completions", chat(echo=True), "echo"),
+    ("completions", completion(echo="yes"), "echo"),
+    ("completions", completion(prompt_logprobs=1), "prompt_logprobs"),
     ("completions", completion(logprobs=21), "logprobs"),
     ("completions", completion(logprobs=-1), "logprobs"),
     ("completions", completion(logprobs=True), "logprobs"),
@@ -257,7 +265,8 @@ def test_malformed_request_gets_openai_error(
         (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages",
          "only text content parts"),
         (chat(messages=[{"role": "user", "content": 5}]), "messages", ""),
-        (completion(echo=True, logprobs=2), "echo", "echo is not supported"),
+        (chat(echo=True), "echo", "echo is not supported"),
+        (completion(prompt_logprobs=2), "prompt_logprobs", "echo: true and logprobs"),
     ],
 )  # fmt: skip
 def test_errors_name_the_parameter_not_pydantic_internals(
@@ -416,6 +425,62 @@ def test_completion_logprobs_count_each_token_s_offset(
     bodies = [chunk["choices"][0]["logprobs"] for chunk in streamed if chunk["choices"]]
     assert [token for body in bodies if body for token in body["tokens"]] == logprobs.tokens
     assert [offset for body in bodies if body for offset in body["text_offset"]] == logprobs.text_offset
+
+
+def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(
+    server: BackgroundServer, client: openai.OpenAI, reference: Engine
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (token ids, ``echo``, ``logprobs: 1``, ``max_tokens: 1``): the
+    prompt's tokens with the engine's prompt log-probabilities (the first null), then the answer's token; summed
+    over a continuation and checked for greediness as the harness does."""
+    context, continuation = reference.encode("The cat sat"), reference.encode(" on the mat")
+    ids = context + continuation
+    result = client.completions.create(model=MODEL, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = result.choices[0]
+    expected = reference.generate(ids, max_new_tokens=1, logprobs=1, prompt_logprobs=1)
+    assert expected.prompt_logprobs is not None and expected.logprobs is not None
+    assert choice.text == reference.tokenizer.decode(ids) + expected.text
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    texts = TokenTexts(reference.tokenizer)
+    assert logprobs.tokens == [texts.text(token) for token in ids + expected.token_ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scored = [*expected.prompt_logprobs, *expected.logprobs]
+    assert logprobs.token_logprobs[1:] == pytest.approx([entry.logprob for entry in scored], abs=1e-5)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:index])) for index in range(len(logprobs.tokens))]
+    # the harness's reading: the continuation's log-likelihood, and whether greedy decoding would have written it
+    ctxlen = len(context)
+    total = sum(logprobs.token_logprobs[ctxlen:-1])  # type: ignore[arg-type]
+    greedy = all(value == max(best.values()) for value, best in
+                 zip(logprobs.token_logprobs[ctxlen:-1], logprobs.top_logprobs[ctxlen:-1], strict=True))  # fmt: skip
+    rows = whole_pass_logprobs(reference, ids)
+    expected_total = sum(float(rows[index - 1, ids[index]]) for index in range(ctxlen, len(ids)))
+    assert total == pytest.approx(expected_total, abs=1e-4)
+    assert greedy == all(int(rows[index - 1].argmax()) == ids[index] for index in range(ctxlen, len(ids)))
+    streamed = sse_chunks(server, "completions", completion(prompt=[ids], max_tokens=1, logprobs=1, echo=True,
+                                                            stream=True))  # fmt: skip
+    bodies = [chunk["choices"][0]["logprobs"] for chunk in streamed if chunk["choices"]]
+    assert [token for body in bodies if body for token in body["tokens"]] == logprobs.tokens
+    assert [offset for body in bodies if body for offset in body["text_offset"]] == logprobs.text_offset
+    assert "".join(chunk["choices"][0]["text"] for chunk in streamed if chunk["choices"]) == choice.text
+
+
+def test_echo_without_logprobs_starts_each_answer_with_the_prompt(
+    server: BackgroundServer, client: openai.OpenAI
+) -> None:
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    wait_until(
+        lambda: metrics(server)["causaldraft_requests_running"] == metrics(server)["causaldraft_queue_depth"] == 0
+    )
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, echo=True, n=2)
+    assert [choice.text for choice in echoed.choices] == ["Hello" + plain.choices[0].text] * 2
+    assert echoed.choices[0].logprobs is None
+    assert echoed.usage is not None and plain.usage is not None
+    assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens
+    streamed = sse_chunks(server, "completions", completion(prompt="Hello", max_tokens=5, echo=True, stream=True))
+    texts = [chunk["choices"][0]["text"] for chunk in streamed if chunk["choices"]]
+    assert texts[0] == "Hello" and "".join(texts) == echoed.choices[0].text
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])

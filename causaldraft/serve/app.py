@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from causaldraft.api import Engine
 from causaldraft.errors import CausalDraftError
 from causaldraft.logprobs import TokenLogprob
-from causaldraft.serve.logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs
+from causaldraft.serve.logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs
 from causaldraft.serve.metrics import Metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
 from causaldraft.serve.worker import (
@@ -39,6 +39,7 @@ from causaldraft.serve.worker import (
     GenerationRequest,
     Job,
     Piece,
+    PromptScored,
     QueueFull,
     Started,
     Worker,
@@ -197,6 +198,14 @@ class Inbox:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """The prompt a completion's answer starts with (``echo``): as sent (or its ids decoded) and its ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class Reply:
     """How one endpoint formats its answers: completions and chat differ only in the choice body."""
 
@@ -205,6 +214,7 @@ class Reply:
     request_id: str
     created: int
     texts: TokenTexts | None = None  # the tokens' texts for ``logprobs``; None: the request asked for none
+    echo: Echo | None = None  # completions' ``echo``: the answer starts with the prompt
 
     def choice(
         self, text: str, finish_reason: str | None, stream: bool, entries: Sequence[TokenLogprob] = (), offset: int = 0,
@@ -221,6 +231,27 @@ class Reply:
         key = "delta" if stream else "message"
         content: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
         return {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def echo_choice(self, scored: Sequence[TokenLogprob] | None, index: int) -> dict[str, Any]:
+        """The echoed prompt as a completions choice, with its tokens' log-probabilities when asked for."""
+        assert self.echo is not None
+        logprobs = None
+        if self.texts is not None:
+            assert scored is not None, "a request with echo and logprobs scores its prompt"
+            logprobs = echoed_logprobs(self.echo.token_ids, scored, self.texts)
+        return {"index": index, "text": self.echo.text, "logprobs": logprobs, "finish_reason": None}
+
+    def whole_choice(self, choice: Choice) -> dict[str, Any]:
+        """A finished choice's body (non-streamed), after its echoed prompt when asked for."""
+        offset = 0 if self.echo is None else len(self.echo.text)
+        body = self.choice("".join(choice.texts), choice.reason, False, choice.pending, offset, choice.index)
+        if self.echo is None:
+            return body
+        head = self.echo_choice(choice.prompt_scored, choice.index)
+        body["text"] = head["text"] + body["text"]
+        if body["logprobs"] is not None:
+            body["logprobs"] = {key: head["logprobs"][key] + body["logprobs"][key] for key in body["logprobs"]}
+        return body
 
     def body(
         self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None, include_usage: bool = False
@@ -245,14 +276,17 @@ class Choice:
     pending: list[TokenLogprob] = field(default_factory=list)  # log-probabilities not sent yet
     offset: int = 0  # the characters of the tokens sent so far (the legacy ``text_offset``)
     finished: Finished | None = None
+    prompt_scored: tuple[TokenLogprob, ...] | None = None  # the prompt's log-probabilities (``echo``)
 
     @property
     def reason(self) -> str | None:
         return None if self.finished is None else self.finished.finish_reason
 
     def take(self, event: Event) -> None:
-        """Keep a piece's text and log-probabilities, or the finish."""
-        if isinstance(event, Piece):
+        """Keep a piece's text and log-probabilities, the prompt's, or the finish."""
+        if isinstance(event, PromptScored):
+            self.prompt_scored = event.logprobs
+        elif isinstance(event, Piece):
             self.texts.append(event.text)
             self.pending.extend(event.logprobs)
         elif isinstance(event, Finished):
@@ -359,6 +393,8 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await read_body(request))
         generation = generation_request(body, prompt=body.prompt_input(), messages=None, max_tokens=body.max_tokens)
+        if body.echo:  # the prompt's log-probabilities come with it when logprobs are asked for
+            generation = replace(generation, prompt_logprobs=generation.logprobs)
         return await respond(request, body, generation, reply(False, "cmpl", generation))
 
     @app.post("/v1/chat/completions")
@@ -398,6 +434,10 @@ def create_app(
             prepared = await loop.run_in_executor(tokenizing, worker.prepare, generation)
         except CausalDraftError as error:
             raise ApiError(400, str(error), param_of(str(error), generation)) from None
+        if body.echoes():
+            prompt = generation.prompt
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prepared.prompt_ids)
+            reply = replace(reply, echo=Echo(text, prepared.prompt_ids))
         choices: list[Choice] = []
         try:
             for index in range(body.n):  # choice i samples with seed + i (greedy: n equal answers)
@@ -405,7 +445,7 @@ def create_app(
                 inbox = Inbox(mailbox_of(loop))
                 job = Job(replace(prepared, request=replace(generation, seed=seed)), inbox.deliver)
                 worker.submit(job)
-                choices.append(Choice(index, job, inbox))
+                choices.append(Choice(index, job, inbox, offset=0 if reply.echo is None else len(reply.echo.text)))
         except QueueFull as error:
             cancel(choices)
             raise ApiError(429, str(error), None, "queue_full") from None
@@ -443,14 +483,14 @@ def create_app(
                 if isinstance(event, Failed):
                     raise ApiError(event.status, event.message, event.param)
                 choice.take(event)
-        bodies = [reply.choice("".join(choice.texts), choice.reason, False, choice.pending, index=choice.index)
-                  for choice in choices]  # fmt: skip
+        bodies = [reply.whole_choice(choice) for choice in choices]
         return JSONResponse(reply.body(bodies, False, usage_of(choices)))
 
     async def stream(choices: list[Choice], reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE chunks, each choice's as its events come; if the client goes away, starlette cancels this generator
         and the jobs stop. Tokens whose text is held back (a stop string's start, part of a character) send their
-        log-probabilities with the next text, or in a chunk of their own before the finishing one."""
+        log-probabilities with the next text, or in a chunk of their own before the finishing one. An echoed prompt
+        is each choice's first chunk (with its log-probabilities: once the prompt is read)."""
 
         def chunk(choice: Choice, text: str) -> bytes:
             body = reply.choice(text, None, True, choice.pending, choice.offset, choice.index)
@@ -467,6 +507,8 @@ def create_app(
                     first["delta"]["role"] = "assistant"
                     first["logprobs"] = None
                     yield sse(reply.body([first], True, None, include_usage))
+                if reply.echo is not None and reply.texts is None:
+                    yield sse(reply.body([reply.echo_choice(None, choice.index)], True, None, include_usage))
                 waiting[asyncio.ensure_future(choice.inbox.next(None))] = choice
             while waiting:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -478,6 +520,9 @@ def create_app(
                                              "code": None}})  # fmt: skip
                         yield sse("[DONE]")
                         return
+                    if isinstance(event, PromptScored) and reply.echo is not None:
+                        yield sse(reply.body([reply.echo_choice(event.logprobs, choice.index)], True, None,
+                                             include_usage))  # fmt: skip
                     if isinstance(event, Piece):
                         choice.pending.extend(event.logprobs)
                         if event.text:

@@ -53,6 +53,19 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
     }
 
 
+def echoed_logprobs(prompt_ids: Sequence[int], scored: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+    """The legacy object for an echoed prompt: its first token, which nothing predicts (null, as OpenAI reports it),
+    then ``scored``, the log-probabilities of the others (``PromptRead.scored``)."""
+    first = texts.text(prompt_ids[0])
+    rest = completion_logprobs(scored, texts, len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
     """The chat object: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
 

@@ -1,18 +1,20 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s).
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
-cannot honour are rejected with a clear message when they ask for something (several prompts, ``echo``,
-tools, a JSON response format: ``UNSUPPORTED``), never silently ignored. ``top_k`` and
+cannot honour are rejected with a clear message when they ask for something (several prompts, tools, a JSON
+response format: ``UNSUPPORTED``; ``echo`` in chat), never silently ignored. ``top_k`` and
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` (vLLM's extensions; ``top_k``
 0 or -1: off) are honoured, and so are ``n`` (up to
 ``MAX_CHOICES``), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs``
-(completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20).
+(completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20), and the legacy
+completions' ``echo`` (the prompt before the answer; with ``logprobs``, its tokens' log-probabilities too, the
+first one null: what evaluation harnesses score).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -41,7 +43,6 @@ def asks_nothing(value: object) -> bool:
 
 # OpenAI parameters this server cannot honour, and when a value asks for nothing it would have to do
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "echo": asks_nothing,
     "best_of": lambda value: value is None or value == 1,
     "suffix": asks_nothing,
     "tools": asks_nothing,
@@ -49,7 +50,9 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "functions": asks_nothing,
     "function_call": lambda value: value in (None, "none", "auto"),
     "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
+    "prompt_logprobs": lambda value: value is None,  # vLLM's; its per-token ranks are not computed here
 }
+UNSUPPORTED_HINTS = {"prompt_logprobs": "; completions with echo: true and logprobs give the prompt tokens' own"}
 
 
 def body_error(param: str, message: str) -> PydanticCustomError:
@@ -98,6 +101,7 @@ class GenerationParams(BaseModel):
     """Parameters shared by both endpoints."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+    unsupported: ClassVar[dict[str, Callable[[object], bool]]] = UNSUPPORTED
 
     model: str
     max_tokens: MaxTokens | None = None
@@ -120,11 +124,12 @@ class GenerationParams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def honoured_only(cls, body: Any) -> Any:
-        """A parameter from ``UNSUPPORTED`` that asks for something is refused, naming it."""
+        """A parameter from ``unsupported`` that asks for something is refused, naming it."""
         if isinstance(body, dict):
-            for name, unset in UNSUPPORTED.items():
+            for name, unset in cls.unsupported.items():
                 if name in body and not unset(body[name]):
-                    raise body_error(name, f"{name} is not supported by this server (got {body[name]!r})")
+                    hint = UNSUPPORTED_HINTS.get(name, "")
+                    raise body_error(name, f"{name} is not supported by this server (got {body[name]!r}){hint}")
             if body.get("stream_options") is not None and not body.get("stream"):
                 raise body_error("stream_options", "stream_options is only allowed with stream: true")
         return body
@@ -156,6 +161,10 @@ class GenerationParams(BaseModel):
         """Alternatives per token the response's ``logprobs`` carry; None: no ``logprobs``."""
         return None
 
+    def echoes(self) -> bool:
+        """The answer starts with the prompt (completions' ``echo``)."""
+        return False
+
     @field_validator("logit_bias")
     @classmethod
     def token_ids_as_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -186,6 +195,15 @@ class GenerationParams(BaseModel):
 class CompletionRequest(GenerationParams):
     prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | list[str] | list[int] | list[list[int]]
     logprobs: TopLogprobs | None = None  # the legacy API's: alternatives per token (0: the chosen token's only)
+    echo: bool = False  # the prompt before the answer (with logprobs: the prompt tokens' too)
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def null_echo(cls, value: object) -> object:
+        return False if value is None else value
+
+    def echoes(self) -> bool:
+        return self.echo
 
     @model_validator(mode="before")
     @classmethod
@@ -216,6 +234,8 @@ class CompletionRequest(GenerationParams):
 
 
 class ChatCompletionRequest(GenerationParams):
+    unsupported: ClassVar[dict[str, Callable[[object], bool]]] = {**UNSUPPORTED, "echo": asks_nothing}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None

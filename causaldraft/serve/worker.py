@@ -6,8 +6,9 @@ request never stalls the engine. The thread keeps up to ``max_batch`` jobs in a 
 each loop admits waiting jobs while there is room, runs one step of the batch (a chunk of the
 joining jobs' prompts, then one decoding step of every job whose prompt is read, in one target
 pass), and delivers what each produced. A job reports events
-through a thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``Piece`` (text delta),
-then exactly one of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client
+through a thread-safe ``deliver`` callback: ``Started`` (prompt accepted), ``PromptScored`` (the prompt's
+log-probabilities, once it is read, when the request asked for them), ``Piece`` (text delta), then exactly one
+of ``Finished`` or ``Failed``. A job whose ``cancelled`` flag is set (the client
 went away) leaves the batch at the next step, or is skipped if it has not started yet.
 """
 
@@ -55,6 +56,7 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: more tokens that end the output
     ignore_eos: bool = False
     min_tokens: int = 0
+    prompt_logprobs: int | None = None  # alternatives per prompt token (completions' echo with logprobs); None: none
 
     @property
     def default_max_tokens(self) -> int:
@@ -74,6 +76,11 @@ class PreparedRequest:
 class Started:
     prompt_tokens: int
     max_tokens: int
+
+
+@dataclass(frozen=True)
+class PromptScored:
+    logprobs: tuple[TokenLogprob, ...]  # prompt tokens 1.. (``PromptRead.scored``)
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,7 @@ class Failed:
     param: str | None = None
 
 
-Event = Started | Piece | Finished | Failed
+Event = Started | PromptScored | Piece | Finished | Failed
 
 
 @dataclass
@@ -237,7 +244,7 @@ class Worker:
                                     top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                                     stop=request.stop, logprobs=request.logprobs, logit_bias=request.logit_bias,
                                     stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-                                    min_tokens=request.min_tokens,
+                                    min_tokens=request.min_tokens, prompt_logprobs=request.prompt_logprobs,
                                     **dict(zip(PENALTIES, request.penalties, strict=True)))  # fmt: skip
         except CausalDraftError as error:
             self.end(job, "rejected", Failed(400, str(error), param_of(str(error), request)))
@@ -254,6 +261,10 @@ class Worker:
             if active.job.cancelled.is_set():
                 self.leave(ident, "cancelled", None)
                 continue
+            scored = active.stream.run.prompt_read.scored
+            if scored is not None and not active.scored_sent and not active.stream.run.reading:
+                active.scored_sent = True
+                self.deliver(active.job, PromptScored(tuple(scored)))
             for item in active.stream.events:
                 if isinstance(item, Completion):
                     seconds = time.perf_counter() - active.started
@@ -292,6 +303,7 @@ class Active:
     stream: Stream
     started: float
     completion_tokens: int = 0
+    scored_sent: bool = False  # its PromptScored was delivered
 
 
 def param_of(message: str, request: GenerationRequest) -> str | None:

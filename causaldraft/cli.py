@@ -20,10 +20,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from causaldraft.api import check_request_options, load
 
     # the request's values are checked before any model loads: a bad one costs no load
-    options = {**request_options(args), "chat": args.chat, "logprobs": args.logprobs}
+    options = {**request_options(args), "chat": args.chat, "logprobs": args.logprobs,
+               "prompt_logprobs": args.prompt_logprobs}  # fmt: skip
     check_request_options(options)
-    if args.logprobs is not None and not args.json:
-        raise CausalDraftError("--logprobs is printed in --json's object: add --json")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise CausalDraftError(f"{flag} is printed in --json's object: add --json")
     engine = load(engine_config(args))
     if args.stream:
         for piece in engine.stream(args.prompt, **options):
@@ -39,6 +41,8 @@ def run_generate(args: argparse.Namespace) -> int:
                    "finish_reason": result.finish_reason}  # fmt: skip
         if result.logprobs is not None:
             payload["logprobs"] = logprobs_json(result.logprobs, engine.tokenizer)
+        if result.prompt_logprobs is not None:
+            payload["prompt_logprobs"] = logprobs_json(result.prompt_logprobs, engine.tokenizer)
         print(json.dumps(payload))
     else:
         print(result.text)
@@ -46,7 +50,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def logprobs_json(entries: Sequence[TokenLogprob], tokenizer: Any) -> list[dict[str, Any]]:
-    """``generate --json --logprobs N``: each new token's id, text and log-probability, with its alternatives."""
+    """``generate --json --logprobs N`` (``--prompt-logprobs N``): each new (prompt) token's id, text and
+    log-probability, with its alternatives."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token_id": token_id, "token": tokenizer.decode([token_id]), "logprob": logprob}
@@ -142,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--logprobs", type=int, default=None, metavar="N",
                           help=f"with --json: each new token's log-probability (the model's, before temperature, "
                           f"top-k and top-p) and its N likeliest alternatives (0-{MAX_TOP_LOGPROBS})")  # fmt: skip
+    generate.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: the same for each prompt token but the first (which nothing predicts)",
+    )
     add_model_flags(generate)
     add_drafter_flags(generate, default_drafter="auto")
     add_sampling_flags(generate)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -212,6 +213,41 @@ def test_batched_server_answers_concurrent_requests_as_alone(tiny_llama_dir: Pat
     assert [answers.get(index) for index in range(len(prompts))] == expected
     assert metrics["causaldraft_batch_size_mean"] > 1.0
     assert metrics["causaldraft_request_tokens_per_second_count"] == len(prompts)
+
+
+def test_several_prompts_in_one_request_are_each_answered_as_alone(tiny_llama_dir: Path) -> None:
+    """A completions request with three prompts (token ids, as evaluation harnesses send them) and n=2, echoed
+    with logprobs, to a server batching four: choice i answers prompt i // 2 as the prompt alone does; usage counts
+    each prompt once; more answers than the server runs and queues is a 400 naming the prompt."""
+    engine = load(model=str(tiny_llama_dir), dtype="float32", drafter="lookup", calibrate=False, compile=False)
+    reference = load(model=str(tiny_llama_dir), dtype="float32", drafter="none", calibrate=False, compile=False)
+    prompts = [reference.encode(prompt) for prompt in PROMPTS[:3]]
+    expected = [reference.generate(prompt, max_new_tokens=12, logprobs=1, prompt_logprobs=1) for prompt in prompts]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 12, "temperature": 0, "n": 2, "echo": True,
+            "logprobs": 1}  # fmt: skip
+    with BackgroundServer(create_app(engine, max_queue=4, model_name="tiny", max_batch=4)) as server:
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+        streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120).text
+        too_many = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 3}, timeout=120)
+    assert [choice["index"] for choice in answer["choices"]] == list(range(6))
+    texts = {}
+    for choice in answer["choices"]:
+        prompt, result = prompts[choice["index"] // 2], expected[choice["index"] // 2]
+        assert choice["text"] == reference.tokenizer.decode(prompt) + result.text
+        assert result.prompt_logprobs is not None and result.logprobs is not None
+        scored = [entry.logprob for entry in [*result.prompt_logprobs, *result.logprobs]]
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(scored, abs=1e-5)
+        texts[choice["index"]] = choice["text"]
+    assert answer["usage"]["prompt_tokens"] == sum(len(prompt) for prompt in prompts)
+    assert answer["usage"]["completion_tokens"] == 2 * sum(len(result.token_ids) for result in expected)
+    pieces = {index: "" for index in range(6)}
+    for line in streamed.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                pieces[choice["index"]] += choice["text"]
+    assert pieces == texts
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
 
 
 def test_load_script_checks_outputs_and_bad_requests(tiny_llama_dir: Path, tmp_path: Path) -> None:

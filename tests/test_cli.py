@@ -34,8 +34,12 @@ def test_generate_json_carries_logprobs_when_asked(tiny_llama_dir: Path, capsys:
     assert [entry["token_id"] for entry in entries] == payload["token_ids"]
     assert all(len(entry["top"]) == 2 and entry["top"][0]["token_id"] == entry["token_id"] for entry in entries)
     assert all(entry["logprob"] == entry["top"][0]["logprob"] <= 0 for entry in entries)  # greedy: the likeliest
+    assert main([*common, "--prompt-logprobs", "1"]) == 0
+    scored = json.loads(capsys.readouterr().out)["prompt_logprobs"]
+    assert [entry["token"] for entry in scored] == list("bcabc")  # the byte tokenizer: a token per character
+    assert all(len(entry["top"]) == 1 and entry["logprob"] <= entry["top"][0]["logprob"] for entry in scored)
     assert main(common) == 0
-    assert "logprobs" not in json.loads(capsys.readouterr().out)
+    assert not {"logprobs", "prompt_logprobs"} & set(json.loads(capsys.readouterr().out))
 
 
 def test_generate_takes_the_penalties(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,6 +115,7 @@ def test_bad_input_is_one_clear_line(
     [(["--top-p", "2"], "top_p"), (["--max-new-tokens", "0"], "max_new_tokens"),
      (["--temperature", "nan"], "temperature"), (["--top-k", "-1"], "top_k"),
      (["--json", "--logprobs", "21"], "logprobs"), (["--logprobs", "2"], "add --json"),
+     (["--json", "--prompt-logprobs", "-1"], "prompt_logprobs"), (["--prompt-logprobs", "0"], "add --json"),
      (["--repetition-penalty", "0"], "repetition_penalty"), (["--presence-penalty", "3"], "presence_penalty"),
      (["--logit-bias", "5=101"], "logit_bias"), (["--min-tokens", "-2"], "min_tokens")],
 )  # fmt: skip

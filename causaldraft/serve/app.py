@@ -214,7 +214,6 @@ class Reply:
     request_id: str
     created: int
     texts: TokenTexts | None = None  # the tokens' texts for ``logprobs``; None: the request asked for none
-    echo: Echo | None = None  # completions' ``echo``: the answer starts with the prompt
 
     def choice(
         self, text: str, finish_reason: str | None, stream: bool, entries: Sequence[TokenLogprob] = (), offset: int = 0,
@@ -232,22 +231,22 @@ class Reply:
         content: dict[str, Any] = {"content": text} if stream else {"role": "assistant", "content": text}
         return {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def echo_choice(self, scored: Sequence[TokenLogprob] | None, index: int) -> dict[str, Any]:
-        """The echoed prompt as a completions choice, with its tokens' log-probabilities when asked for."""
-        assert self.echo is not None
+    def echo_choice(self, choice: Choice) -> dict[str, Any]:
+        """A choice's echoed prompt as a completions choice, with its tokens' log-probabilities when asked for."""
+        assert choice.echo is not None
         logprobs = None
         if self.texts is not None:
-            assert scored is not None, "a request with echo and logprobs scores its prompt"
-            logprobs = echoed_logprobs(self.echo.token_ids, scored, self.texts)
-        return {"index": index, "text": self.echo.text, "logprobs": logprobs, "finish_reason": None}
+            assert choice.prompt_scored is not None, "a request with echo and logprobs scores its prompt"
+            logprobs = echoed_logprobs(choice.echo.token_ids, choice.prompt_scored, self.texts)
+        return {"index": choice.index, "text": choice.echo.text, "logprobs": logprobs, "finish_reason": None}
 
     def whole_choice(self, choice: Choice) -> dict[str, Any]:
         """A finished choice's body (non-streamed), after its echoed prompt when asked for."""
-        offset = 0 if self.echo is None else len(self.echo.text)
+        offset = 0 if choice.echo is None else len(choice.echo.text)
         body = self.choice("".join(choice.texts), choice.reason, False, choice.pending, offset, choice.index)
-        if self.echo is None:
+        if choice.echo is None:
             return body
-        head = self.echo_choice(choice.prompt_scored, choice.index)
+        head = self.echo_choice(choice)
         body["text"] = head["text"] + body["text"]
         if body["logprobs"] is not None:
             body["logprobs"] = {key: head["logprobs"][key] + body["logprobs"][key] for key in body["logprobs"]}
@@ -267,11 +266,14 @@ class Reply:
 
 @dataclass
 class Choice:
-    """One of a request's ``n`` answers: its job, its inbox, and what it has produced and not yet sent."""
+    """One of a request's answers (``n`` for each of its prompts): its job, its inbox, and what it has produced and
+    not yet sent. ``index``: prompt_index * n + the answer's number, as OpenAI numbers them."""
 
     index: int
+    prompt_index: int
     job: Job
     inbox: Inbox
+    echo: Echo | None = None  # completions' ``echo``: the answer starts with its prompt
     texts: list[str] = field(default_factory=list)
     pending: list[TokenLogprob] = field(default_factory=list)  # log-probabilities not sent yet
     offset: int = 0  # the characters of the tokens sent so far (the legacy ``text_offset``)
@@ -301,9 +303,12 @@ def cancel(choices: list[Choice]) -> None:
 
 
 def usage_of(choices: list[Choice]) -> Usage:
-    """The prompt counted once, every choice's tokens (as OpenAI counts ``n`` answers)."""
-    done = [choice.finished for choice in choices if choice.finished is not None]
-    return Usage(done[0].prompt_tokens, sum(finished.completion_tokens for finished in done), done[0].cached_tokens)
+    """Each prompt counted once, every choice's tokens (as OpenAI counts ``n`` answers)."""
+    done = [(choice.prompt_index, choice.finished) for choice in choices if choice.finished is not None]
+    prompts = dict(reversed(done))  # each prompt's first finished answer
+    return Usage(sum(finished.prompt_tokens for finished in prompts.values()),
+                 sum(finished.completion_tokens for _, finished in done),
+                 sum(finished.cached_tokens for finished in prompts.values()))  # fmt: skip
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -392,17 +397,17 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await read_body(request))
-        generation = generation_request(body, prompt=body.prompt_input(), messages=None, max_tokens=body.max_tokens)
+        generations = [generation_request(body, prompt, None, body.max_tokens) for prompt in body.prompt_inputs()]
         if body.echo:  # the prompt's log-probabilities come with it when logprobs are asked for
-            generation = replace(generation, prompt_logprobs=generation.logprobs)
-        return await respond(request, body, generation, reply(False, "cmpl", generation))
+            generations = [replace(generation, prompt_logprobs=generation.logprobs) for generation in generations]
+        return await respond(request, body, generations, reply(False, "cmpl", generations[0]))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await read_body(request))
         generation = generation_request(body, prompt=None, messages=body.chat_messages(),
                                         max_tokens=body.requested_max_tokens())  # fmt: skip
-        return await respond(request, body, generation, reply(True, "chatcmpl", generation))
+        return await respond(request, body, [generation], reply(True, "chatcmpl", generation))
 
     def reply(chat: bool, kind: str, generation: GenerationRequest) -> Reply:
         texts = token_texts if generation.logprobs is not None else None
@@ -424,28 +429,37 @@ def create_app(
                                  body.stop_token_ids or [], body.ignore_eos, body.min_tokens)  # fmt: skip
 
     async def respond(
-        request: Request, body: GenerationParams, generation: GenerationRequest, reply: Reply
+        request: Request, body: GenerationParams, generations: list[GenerationRequest], reply: Reply
     ) -> Response:
+        """Run ``body.n`` answers to each prompt (``generations``: one per prompt) as jobs of the batch."""
         loop = asyncio.get_running_loop()
-        if body.n > worker.max_batch + worker.max_queue:
-            raise ApiError(400, f"n {body.n} is more than this server runs and queues at once "
-                           f"({worker.max_batch + worker.max_queue})", "n")  # fmt: skip
-        try:
-            prepared = await loop.run_in_executor(tokenizing, worker.prepare, generation)
-        except CausalDraftError as error:
-            raise ApiError(400, str(error), param_of(str(error), generation)) from None
-        if body.echoes():
-            prompt = generation.prompt
-            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prepared.prompt_ids)
-            reply = replace(reply, echo=Echo(text, prepared.prompt_ids))
+        capacity = worker.max_batch + worker.max_queue
+        if body.n * len(generations) > capacity:
+            param, asked = (
+                ("n", f"n {body.n}")
+                if len(generations) == 1
+                else ("prompt", f"{len(generations)} prompts x n {body.n}")
+            )
+            raise ApiError(400, f"{asked} is more answers than this server runs and queues at once ({capacity})", param)
+        ready = []
+        for generation in generations:
+            try:
+                ready.append(await loop.run_in_executor(tokenizing, worker.prepare, generation))
+            except CausalDraftError as error:
+                raise ApiError(400, str(error), param_of(str(error), generation)) from None
         choices: list[Choice] = []
         try:
-            for index in range(body.n):  # choice i samples with seed + i (greedy: n equal answers)
-                seed = None if generation.seed is None else generation.seed + index
-                inbox = Inbox(mailbox_of(loop))
-                job = Job(replace(prepared, request=replace(generation, seed=seed)), inbox.deliver)
-                worker.submit(job)
-                choices.append(Choice(index, job, inbox, offset=0 if reply.echo is None else len(reply.echo.text)))
+            for prompt_index, (generation, prepared) in enumerate(zip(generations, ready, strict=True)):
+                echo = echo_of(generation, prepared.prompt_ids) if body.echoes() else None
+                for answer in range(body.n):  # answer i samples with seed + i (greedy: n equal answers)
+                    seed = None if generation.seed is None else generation.seed + answer
+                    inbox = Inbox(mailbox_of(loop))
+                    job = Job(replace(prepared, request=replace(generation, seed=seed)), inbox.deliver)
+                    worker.submit(job)
+                    offset = 0 if echo is None else len(echo.text)
+                    choices.append(
+                        Choice(prompt_index * body.n + answer, prompt_index, job, inbox, echo, offset=offset)
+                    )
         except QueueFull as error:
             cancel(choices)
             raise ApiError(429, str(error), None, "queue_full") from None
@@ -464,6 +478,11 @@ def create_app(
         except BaseException:
             cancel(choices)
             raise
+
+    def echo_of(generation: GenerationRequest, prompt_ids: list[int]) -> Echo:
+        """A completion's prompt as its answer repeats it: the text as sent, or the token ids decoded."""
+        prompt = generation.prompt
+        return Echo(prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt_ids), prompt_ids)
 
     async def wait_event(request: Request, inbox: Inbox, job: Job) -> Event:
         """The job's next event; every DISCONNECT_POLL_S, even while events flow, check the client is there."""
@@ -507,8 +526,8 @@ def create_app(
                     first["delta"]["role"] = "assistant"
                     first["logprobs"] = None
                     yield sse(reply.body([first], True, None, include_usage))
-                if reply.echo is not None and reply.texts is None:
-                    yield sse(reply.body([reply.echo_choice(None, choice.index)], True, None, include_usage))
+                if choice.echo is not None and reply.texts is None:
+                    yield sse(reply.body([reply.echo_choice(choice)], True, None, include_usage))
                 waiting[asyncio.ensure_future(choice.inbox.next(None))] = choice
             while waiting:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -520,9 +539,9 @@ def create_app(
                                              "code": None}})  # fmt: skip
                         yield sse("[DONE]")
                         return
-                    if isinstance(event, PromptScored) and reply.echo is not None:
-                        yield sse(reply.body([reply.echo_choice(event.logprobs, choice.index)], True, None,
-                                             include_usage))  # fmt: skip
+                    if isinstance(event, PromptScored) and choice.echo is not None:
+                        choice.prompt_scored = event.logprobs
+                        yield sse(reply.body([reply.echo_choice(choice)], True, None, include_usage))
                     if isinstance(event, Piece):
                         choice.pending.extend(event.logprobs)
                         if event.text:

@@ -1,11 +1,12 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s).
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
-cannot honour are rejected with a clear message when they ask for something (several prompts, tools, a JSON
-response format: ``UNSUPPORTED``; ``echo`` in chat), never silently ignored. ``top_k`` and
+cannot honour are rejected with a clear message when they ask for something (tools, a JSON response format:
+``UNSUPPORTED``; ``echo`` in chat), never silently ignored. ``top_k`` and
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` (vLLM's extensions; ``top_k``
 0 or -1: off) are honoured, and so are ``n`` (up to
-``MAX_CHOICES``), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs``
+``MAX_CHOICES``), several prompts in one completions request (each one's ``n`` answers, numbered as OpenAI
+numbers them), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs``
 (completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20), and the legacy
 completions' ``echo`` (the prompt before the answer; with ``logprobs``, its tokens' log-probabilities too, the
 first one null: what evaluation harnesses score).
@@ -218,19 +219,23 @@ class CompletionRequest(GenerationParams):
 
     @field_validator("prompt")
     @classmethod
-    def single_prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[str] | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
-            if len(prompt) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            prompt = prompt[0]  # type: ignore[assignment]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if isinstance(prompt, str) and len(prompt) > MAX_PROMPT_CHARS:
-            raise ValueError(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
-        return prompt  # type: ignore[return-value]
+    def prompts_not_empty(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> object:
+        for one in prompts_of(prompt):
+            if not one:
+                raise ValueError("the prompt is empty")
+            if isinstance(one, str) and len(one) > MAX_PROMPT_CHARS:
+                raise ValueError(f"the prompt is longer than {MAX_PROMPT_CHARS} characters")
+        return prompt
 
-    def prompt_input(self) -> str | list[int]:
-        return self.prompt  # type: ignore[return-value]
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The request's prompts (OpenAI's ``prompt`` is one text or token list, or a list of them)."""
+        return prompts_of(self.prompt)
+
+
+def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        return list(prompt)  # type: ignore[arg-type]
+    return [prompt]  # type: ignore[list-item]
 
 
 class ChatCompletionRequest(GenerationParams):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -510,6 +511,18 @@ def test_prompts_are_tokenized_off_the_engine_thread(model_dir: Path) -> None:
         response = httpx.post(f"{running.url}/v1/completions", json=completion(), timeout=60)
     assert response.status_code == 200 and threads
     assert not any(name.startswith("causaldraft-engine") for name in threads)
+
+
+def test_ignored_fields_are_answered_and_logged_once(
+    client: openai.OpenAI, reference: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    extra = {"unread_option_a": "x", "unread_option_b": 3}  # names no other test sends
+    with caplog.at_level(logging.WARNING, logger="causaldraft.serve.app"):
+        first = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0, extra_body=extra)
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0, extra_body=extra)
+    assert first.choices[0].text == reference.generate("abc", max_new_tokens=3).text
+    warnings = [record.getMessage() for record in caplog.records if "ignoring request fields" in record.getMessage()]
+    assert len(warnings) == 1 and "unread_option_a, unread_option_b" in warnings[0], warnings
 
 
 def test_unknown_route_and_method_get_error_bodies(server: BackgroundServer) -> None:

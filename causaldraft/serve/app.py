@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -46,6 +47,7 @@ from causaldraft.serve.worker import (
     param_of,
 )
 
+log = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
@@ -394,9 +396,19 @@ def create_app(
                            "model_not_found")  # fmt: skip
         return model_card()
 
+    ignored: set[str] = set()  # fields already logged as ignored
+
+    def note_ignored(body: GenerationParams) -> None:
+        """Log each field the server does not read the first time a request sends it."""
+        new = [name for name in body.ignored_fields() if name not in ignored]
+        if new:
+            ignored.update(new)
+            log.warning("ignoring request fields this server does not use: %s", ", ".join(new))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await read_body(request))
+        note_ignored(body)
         generations = [generation_request(body, prompt, None, body.max_tokens) for prompt in body.prompt_inputs()]
         if body.echo:  # the prompt's log-probabilities come with it when logprobs are asked for
             generations = [replace(generation, prompt_logprobs=generation.logprobs) for generation in generations]
@@ -405,6 +417,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await read_body(request))
+        note_ignored(body)
         generation = generation_request(body, prompt=None, messages=body.chat_messages(),
                                         max_tokens=body.requested_max_tokens())  # fmt: skip
         return await respond(request, body, [generation], reply(True, "chatcmpl", generation))

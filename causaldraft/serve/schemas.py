@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s).
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; OpenAI parameters the server
+Unknown fields are ignored, as OpenAI-compatible servers commonly do (the app logs each one's name the first time
+it is met, as vLLM warns of the fields it ignores: ``ignored_fields``); OpenAI parameters the server
 cannot honour are rejected with a clear message when they ask for something (tools, a JSON response format:
 ``UNSUPPORTED``; ``echo`` in chat), never silently ignored. ``top_k`` and
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` (vLLM's extensions; ``top_k``
@@ -101,7 +102,7 @@ class ChatMessage(BaseModel):
 class GenerationParams(BaseModel):
     """Parameters shared by both endpoints."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # kept only to be named: ``ignored_fields``
     unsupported: ClassVar[dict[str, Callable[[object], bool]]] = UNSUPPORTED
 
     model: str
@@ -161,6 +162,10 @@ class GenerationParams(BaseModel):
     def requested_logprobs(self) -> int | None:
         """Alternatives per token the response's ``logprobs`` carry; None: no ``logprobs``."""
         return None
+
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this server does not read (OpenAI's ``user``, ``metadata``, other servers' own)."""
+        return sorted(self.model_extra or {})
 
     def echoes(self) -> bool:
         """The answer starts with the prompt (completions' ``echo``)."""

@@ -23,6 +23,7 @@ import torch
 class TokenLogprob:
     token_id: int
     logprob: float  # natural log of the model's probability of the token at its position
+    rank: int  # 1 + how many tokens are more likely there (1: the most likely; vLLM's ``rank``)
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and theirs, most likely first
 
 
@@ -36,5 +37,6 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[i
         if top:
             values, ids = torch.topk(row_logprobs, top)
             best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        entries.append(TokenLogprob(token, float(row_logprobs[token]), best))
+        value = row_logprobs[token]
+        entries.append(TokenLogprob(token, float(value), int((row_logprobs > value).sum()) + 1, best))
     return entries

@@ -122,13 +122,14 @@ def test_bad_logprobs_are_refused_before_anything_runs(models: dict[str, LoadedM
 
 
 def test_token_logprobs_reads_each_token_at_its_row() -> None:
-    """Literal logits: the entry of token t at row r is log_softmax(row r)[t], with row r's most likely tokens."""
+    """Literal logits: the entry of token t at row r is log_softmax(row r)[t], with its rank (1 + the tokens more
+    likely there) and row r's most likely tokens."""
     logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0], [0.0, -1.0, 5.0]])  # [3 nodes, vocab 3]
     entries = token_logprobs(logits, (0, 2), (1, 2), top=2)
     expected = torch.log_softmax(logits, dim=-1)
     assert entries == [
-        TokenLogprob(1, float(expected[0, 1]), ((2, float(expected[0, 2])), (1, float(expected[0, 1])))),
-        TokenLogprob(2, float(expected[2, 2]), ((2, float(expected[2, 2])), (0, float(expected[2, 0])))),
+        TokenLogprob(1, float(expected[0, 1]), 2, ((2, float(expected[0, 2])), (1, float(expected[0, 1])))),
+        TokenLogprob(2, float(expected[2, 2]), 1, ((2, float(expected[2, 2])), (0, float(expected[2, 0])))),
     ]
 
 

@@ -39,7 +39,9 @@ def test_prompt_logprobs_are_a_whole_causal_pass_s(tiny_llama_dir: Path, prompt:
     assert [entry.token_id for entry in result.prompt_logprobs] == prompt_ids[1:]
     reference = whole_pass_logprobs(engine, prompt_ids)
     for row, entry in enumerate(result.prompt_logprobs):
-        assert entry.logprob == pytest.approx(float(reference[row, entry.token_id]), abs=1e-4), row
+        value = float(reference[row, entry.token_id])
+        assert entry.logprob == pytest.approx(value, abs=1e-4), row
+        assert int((reference[row] > value + 1e-4).sum()) < entry.rank <= int((reference[row] > value - 1e-4).sum()) + 1
         values, ids = torch.topk(reference[row], TOP)
         assert [token for token, _ in entry.top] == ids.tolist()
         assert [value for _, value in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -182,7 +182,9 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(prompt=None), "prompt"),
     ("completions", {"model": MODEL, "max_tokens": 4}, "prompt"),
     ("completions", completion(prompt=""), "prompt"),
-    ("completions", completion(prompt=["a", "b"]), "prompt"),
+    ("completions", completion(prompt=["a", "b", "c"]), "prompt"),  # more answers than run and queue at once (2)
+    ("completions", completion(prompt=["a", ""]), "prompt"),
+    ("completions", completion(prompt=[[1, 2], []]), "prompt"),
     ("completions", completion(prompt=[999999]), "prompt"),
     ("completions", completion(prompt="x" * (CONTEXT + 100)), "prompt"),
     ("completions", completion(prompt="x" * (CONTEXT + 100), stream=True), "prompt"),
@@ -214,7 +216,8 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(model="other"), "model"),
     ("chat/completions", chat(echo=True), "echo"),
     ("completions", completion(echo="yes"), "echo"),
-    ("completions", completion(prompt_logprobs=1), "prompt_logprobs"),
+    ("completions", completion(prompt_logprobs=21), "prompt_logprobs"),
+    ("completions", completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     ("completions", completion(logprobs=21), "logprobs"),
     ("completions", completion(logprobs=-1), "logprobs"),
     ("completions", completion(logprobs=True), "logprobs"),
@@ -267,7 +270,7 @@ def test_malformed_request_gets_openai_error(
          "only text content parts"),
         (chat(messages=[{"role": "user", "content": 5}]), "messages", ""),
         (chat(echo=True), "echo", "echo is not supported"),
-        (completion(prompt_logprobs=2), "prompt_logprobs", "echo: true and logprobs"),
+        (completion(prompt_logprobs=2, stream=True), "prompt_logprobs", "not supported with stream"),
     ],
 )  # fmt: skip
 def test_errors_name_the_parameter_not_pydantic_internals(
@@ -465,6 +468,35 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_asks(
     assert [token for body in bodies if body for token in body["tokens"]] == logprobs.tokens
     assert [offset for body in bodies if body for offset in body["text_offset"]] == logprobs.text_offset
     assert "".join(chunk["choices"][0]["text"] for chunk in streamed if chunk["choices"]) == choice.text
+
+
+def test_vllm_prompt_logprobs_are_the_engine_s(client: openai.OpenAI, reference: Engine) -> None:
+    """vLLM's ``prompt_logprobs``: null, then per prompt token a dict by token id of the token (its rank) and the N
+    likeliest (ranks 1..N); in the choice for completions, in the response for chat."""
+    expected = reference.generate("The cat sat on", max_new_tokens=3, prompt_logprobs=2)
+    assert expected.prompt_logprobs is not None
+    answer = client.completions.create(model=MODEL, prompt="The cat sat on", max_tokens=3, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})  # fmt: skip
+    scored = answer.choices[0].model_dump()["prompt_logprobs"]
+    assert answer.choices[0].text == expected.text and scored[0] is None
+    assert len(scored) == len(expected.prompt_logprobs) + 1
+    texts = TokenTexts(reference.tokenizer)
+    for position, entry in zip(scored[1:], expected.prompt_logprobs, strict=True):
+        own = position[str(entry.token_id)]
+        assert own["logprob"] == pytest.approx(entry.logprob, abs=1e-5) and own["rank"] == entry.rank >= 1
+        assert own["decoded_token"] == texts.text(entry.token_id)
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            assert position[str(token_id)]["logprob"] == pytest.approx(logprob, abs=1e-5)
+            assert position[str(token_id)]["rank"] == (entry.rank if token_id == entry.token_id else rank)
+        assert len(position) == len({entry.token_id, *(token_id for token_id, _ in entry.top)})
+    assert any(entry.rank > 2 for entry in expected.prompt_logprobs)  # some prompt token outside the top two
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,  # type: ignore[arg-type]
+                                                 extra_body={"prompt_logprobs": 0})  # fmt: skip
+    chat_scored = chat_answer.model_dump()["prompt_logprobs"]
+    chat_expected = reference.generate(messages, max_new_tokens=2, prompt_logprobs=0).prompt_logprobs
+    assert chat_expected is not None and len(chat_scored) == len(chat_expected) + 1
+    assert [next(iter(position)) for position in chat_scored[1:]] == [str(e.token_id) for e in chat_expected]
 
 
 def test_echo_without_logprobs_starts_each_answer_with_the_prompt(

@@ -28,7 +28,13 @@ from starlette.requests import ClientDisconnect
 from causaldraft.api import Engine
 from causaldraft.errors import CausalDraftError
 from causaldraft.logprobs import TokenLogprob
-from causaldraft.serve.logprob_bodies import TokenTexts, chat_logprobs, completion_logprobs, echoed_logprobs
+from causaldraft.serve.logprob_bodies import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    vllm_prompt_logprobs,
+)
 from causaldraft.serve.metrics import Metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
 from causaldraft.serve.worker import (
@@ -215,7 +221,9 @@ class Reply:
     model: str
     request_id: str
     created: int
-    texts: TokenTexts | None = None  # the tokens' texts for ``logprobs``; None: the request asked for none
+    texts: TokenTexts  # the tokens' texts, for log-probabilities
+    logprobs: int | None = None  # alternatives per token in ``logprobs``; None: the request asked for none
+    prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs`` (alternatives per prompt token); None: none
 
     def choice(
         self, text: str, finish_reason: str | None, stream: bool, entries: Sequence[TokenLogprob] = (), offset: int = 0,
@@ -223,7 +231,7 @@ class Reply:
     ) -> dict[str, Any]:  # fmt: skip
         """A choice with ``entries``' log-probabilities when asked for (``offset``: the text before, streaming)."""
         logprobs = None
-        if self.texts is not None:
+        if self.logprobs is not None:
             logprobs = (
                 chat_logprobs(entries, self.texts) if self.chat else completion_logprobs(entries, self.texts, offset)
             )
@@ -237,15 +245,17 @@ class Reply:
         """A choice's echoed prompt as a completions choice, with its tokens' log-probabilities when asked for."""
         assert choice.echo is not None
         logprobs = None
-        if self.texts is not None:
+        if self.logprobs is not None:
             assert choice.prompt_scored is not None, "a request with echo and logprobs scores its prompt"
-            logprobs = echoed_logprobs(choice.echo.token_ids, choice.prompt_scored, self.texts)
+            logprobs = echoed_logprobs(choice.echo.token_ids, choice.prompt_scored, self.texts, self.logprobs)
         return {"index": choice.index, "text": choice.echo.text, "logprobs": logprobs, "finish_reason": None}
 
     def whole_choice(self, choice: Choice) -> dict[str, Any]:
         """A finished choice's body (non-streamed), after its echoed prompt when asked for."""
         offset = 0 if choice.echo is None else len(choice.echo.text)
         body = self.choice("".join(choice.texts), choice.reason, False, choice.pending, offset, choice.index)
+        if not self.chat and self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.scored_prompt(choice)
         if choice.echo is None:
             return body
         head = self.echo_choice(choice)
@@ -253,6 +263,11 @@ class Reply:
         if body["logprobs"] is not None:
             body["logprobs"] = {key: head["logprobs"][key] + body["logprobs"][key] for key in body["logprobs"]}
         return body
+
+    def scored_prompt(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs`` of a choice's prompt (completions: in the choice; chat: the response's)."""
+        assert choice.prompt_scored is not None and self.prompt_logprobs is not None
+        return vllm_prompt_logprobs(choice.prompt_scored, self.texts, self.prompt_logprobs)
 
     def body(
         self, choices: list[dict[str, Any]], stream: bool, usage: Usage | None, include_usage: bool = False
@@ -410,9 +425,10 @@ def create_app(
         body = parse_body(CompletionRequest, await read_body(request))
         note_ignored(body)
         generations = [generation_request(body, prompt, None, body.max_tokens) for prompt in body.prompt_inputs()]
-        if body.echo:  # the prompt's log-probabilities come with it when logprobs are asked for
-            generations = [replace(generation, prompt_logprobs=generation.logprobs) for generation in generations]
-        return await respond(request, body, generations, reply(False, "cmpl", generations[0]))
+        if body.echo and body.logprobs is not None:  # the prompt's log-probabilities come with it
+            scored = max(body.logprobs, body.prompt_logprobs or 0)
+            generations = [replace(generation, prompt_logprobs=scored) for generation in generations]
+        return await respond(request, body, generations, reply(False, "cmpl", body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -420,11 +436,11 @@ def create_app(
         note_ignored(body)
         generation = generation_request(body, prompt=None, messages=body.chat_messages(),
                                         max_tokens=body.requested_max_tokens())  # fmt: skip
-        return await respond(request, body, [generation], reply(True, "chatcmpl", generation))
+        return await respond(request, body, [generation], reply(True, "chatcmpl", body))
 
-    def reply(chat: bool, kind: str, generation: GenerationRequest) -> Reply:
-        texts = token_texts if generation.logprobs is not None else None
-        return Reply(chat, served_model, f"{kind}-{uuid.uuid4().hex}", int(time.time()), texts)
+    def reply(chat: bool, kind: str, body: GenerationParams) -> Reply:
+        return Reply(chat, served_model, f"{kind}-{uuid.uuid4().hex}", int(time.time()), token_texts,
+                     body.requested_logprobs(), body.prompt_logprobs)  # fmt: skip
 
     def generation_request(
         body: GenerationParams, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
@@ -439,7 +455,8 @@ def create_app(
         penalties = (body.presence_penalty, body.frequency_penalty, body.repetition_penalty)
         return GenerationRequest(prompt, messages, max_tokens, body.temperature, body.top_p, body.seed, body.stops(),
                                  body.sampling_top_k, body.requested_logprobs(), penalties, body.bias(),
-                                 body.stop_token_ids or [], body.ignore_eos, body.min_tokens)  # fmt: skip
+                                 body.stop_token_ids or [], body.ignore_eos, body.min_tokens,
+                                 body.prompt_logprobs)  # fmt: skip
 
     async def respond(
         request: Request, body: GenerationParams, generations: list[GenerationRequest], reply: Reply
@@ -516,7 +533,10 @@ def create_app(
                     raise ApiError(event.status, event.message, event.param)
                 choice.take(event)
         bodies = [reply.whole_choice(choice) for choice in choices]
-        return JSONResponse(reply.body(bodies, False, usage_of(choices)))
+        response = reply.body(bodies, False, usage_of(choices))
+        if reply.chat and reply.prompt_logprobs is not None:
+            response["prompt_logprobs"] = reply.scored_prompt(choices[0])  # vLLM's place for chat: the response's
+        return JSONResponse(response)
 
     async def stream(choices: list[Choice], reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE chunks, each choice's as its events come; if the client goes away, starlette cancels this generator
@@ -539,7 +559,7 @@ def create_app(
                     first["delta"]["role"] = "assistant"
                     first["logprobs"] = None
                     yield sse(reply.body([first], True, None, include_usage))
-                if choice.echo is not None and reply.texts is None:
+                if choice.echo is not None and reply.logprobs is None:
                     yield sse(reply.body([reply.echo_choice(choice)], True, None, include_usage))
                 waiting[asyncio.ensure_future(choice.inbox.next(None))] = choice
             while waiting:

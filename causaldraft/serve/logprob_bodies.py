@@ -4,6 +4,7 @@ chat object (one entry per token, with its UTF-8 bytes and its alternatives)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -53,17 +54,38 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
     }
 
 
-def echoed_logprobs(prompt_ids: Sequence[int], scored: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+def echoed_logprobs(
+    prompt_ids: Sequence[int], scored: Sequence[TokenLogprob], texts: TokenTexts, top: int
+) -> dict[str, Any]:
     """The legacy object for an echoed prompt: its first token, which nothing predicts (null, as OpenAI reports it),
-    then ``scored``, the log-probabilities of the others (``PromptRead.scored``)."""
+    then ``scored``, the log-probabilities of the others (``PromptRead.scored``), with ``top`` alternatives."""
     first = texts.text(prompt_ids[0])
-    rest = completion_logprobs(scored, texts, len(first))
+    rest = completion_logprobs([replace(entry, top=entry.top[:top]) for entry in scored], texts, len(first))
     return {
         "tokens": [first, *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],
         "top_logprobs": [None, *rest["top_logprobs"]],
         "text_offset": [0, *rest["text_offset"]],
     }
+
+
+def vllm_prompt_logprobs(
+    scored: Sequence[TokenLogprob], texts: TokenTexts, top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then for each other one a dict by token id (a
+    string, as JSON keys are) of the token itself and its ``top`` likeliest alternatives, each
+    ``{"logprob", "rank", "decoded_token"}``."""
+
+    def item(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": texts.text(token_id)}
+
+    positions: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in scored:
+        position = {str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (token_id, logprob) in enumerate(entry.top[:top], start=1):
+            position.setdefault(str(token_id), item(token_id, logprob, rank))
+        positions.append(position)
+    return positions
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:

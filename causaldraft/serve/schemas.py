@@ -1,16 +1,15 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s).
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do (the app logs each one's name the first time
-it is met, as vLLM warns of the fields it ignores: ``ignored_fields``); OpenAI parameters the server
-cannot honour are rejected with a clear message when they ask for something (tools, a JSON response format:
-``UNSUPPORTED``; ``echo`` in chat), never silently ignored. ``top_k`` and
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos`` and ``min_tokens`` (vLLM's extensions; ``top_k``
-0 or -1: off) are honoured, and so are ``n`` (up to
-``MAX_CHOICES``), several prompts in one completions request (each one's ``n`` answers, numbered as OpenAI
-numbers them), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs``
-(completions: 0-20 alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20), and the legacy
-completions' ``echo`` (the prompt before the answer; with ``logprobs``, its tokens' log-probabilities too, the
-first one null: what evaluation harnesses score).
+it is met, as vLLM warns of the fields it ignores: ``ignored_fields``); OpenAI parameters the server cannot honour
+are rejected with a clear message when they ask for something (tools, a JSON response format: ``UNSUPPORTED``;
+``echo`` in chat), never silently ignored. ``top_k`` and ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``
+and ``min_tokens`` (vLLM's extensions; ``top_k`` 0 or -1: off) are honoured, and so are ``n`` (up to
+``MAX_CHOICES``), several prompts in one completions request (each one's ``n`` answers, numbered as OpenAI numbers
+them), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``logprobs`` (completions: 0-20
+alternatives per token; chat: ``logprobs: true`` with ``top_logprobs`` 0-20), vLLM's ``prompt_logprobs`` (0-20,
+not streamed) and the legacy completions' ``echo`` (the prompt before the answer; with ``logprobs``, its tokens'
+log-probabilities too, the first one null: what evaluation harnesses score).
 """
 
 from __future__ import annotations
@@ -52,9 +51,7 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "functions": asks_nothing,
     "function_call": lambda value: value in (None, "none", "auto"),
     "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
-    "prompt_logprobs": lambda value: value is None,  # vLLM's; its per-token ranks are not computed here
 }
-UNSUPPORTED_HINTS = {"prompt_logprobs": "; completions with echo: true and logprobs give the prompt tokens' own"}
 
 
 def body_error(param: str, message: str) -> PydanticCustomError:
@@ -117,6 +114,7 @@ class GenerationParams(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's: more tokens that end the output
     ignore_eos: bool = False  # vLLM's: EOS does not end the output
     min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no stop token before this many new tokens
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's, with this many alternatives
     stop: Stop = None
     seed: int | None = None
     n: int = 1
@@ -130,10 +128,11 @@ class GenerationParams(BaseModel):
         if isinstance(body, dict):
             for name, unset in cls.unsupported.items():
                 if name in body and not unset(body[name]):
-                    hint = UNSUPPORTED_HINTS.get(name, "")
-                    raise body_error(name, f"{name} is not supported by this server (got {body[name]!r}){hint}")
+                    raise body_error(name, f"{name} is not supported by this server (got {body[name]!r})")
             if body.get("stream_options") is not None and not body.get("stream"):
                 raise body_error("stream_options", "stream_options is only allowed with stream: true")
+            if body.get("prompt_logprobs") is not None and body.get("stream"):
+                raise body_error("prompt_logprobs", "prompt_logprobs is not supported with stream: true")
         return body
 
     @field_validator("stop", mode="before")

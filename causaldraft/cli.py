@@ -50,13 +50,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def logprobs_json(entries: Sequence[TokenLogprob], tokenizer: Any) -> list[dict[str, Any]]:
-    """``generate --json --logprobs N`` (``--prompt-logprobs N``): each new (prompt) token's id, text and
-    log-probability, with its alternatives."""
+    """``generate --json --logprobs N`` (``--prompt-logprobs N``): each new (prompt) token's id, text,
+    log-probability and rank, with its alternatives."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         return {"token_id": token_id, "token": tokenizer.decode([token_id]), "logprob": logprob}
 
-    return [{**item(entry.token_id, entry.logprob), "top": [item(*best) for best in entry.top]} for entry in entries]
+    return [{**item(entry.token_id, entry.logprob), "rank": entry.rank, "top": [item(*best) for best in entry.top]}
+            for entry in entries]  # fmt: skip
 
 
 def run_chat(args: argparse.Namespace) -> int:

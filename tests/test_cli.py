@@ -34,6 +34,7 @@ def test_generate_json_carries_logprobs_when_asked(tiny_llama_dir: Path, capsys:
     assert [entry["token_id"] for entry in entries] == payload["token_ids"]
     assert all(len(entry["top"]) == 2 and entry["top"][0]["token_id"] == entry["token_id"] for entry in entries)
     assert all(entry["logprob"] == entry["top"][0]["logprob"] <= 0 for entry in entries)  # greedy: the likeliest
+    assert all(entry["rank"] == 1 for entry in entries)
     assert main([*common, "--prompt-logprobs", "1"]) == 0
     scored = json.loads(capsys.readouterr().out)["prompt_logprobs"]
     assert [entry["token"] for entry in scored] == list("bcabc")  # the byte tokenizer: a token per character

@@ -67,7 +67,9 @@ def test_speculative_greedy_is_token_identical_on_the_default_model(
     engine = causaldraft.load(
         loaded=default_fp32, drafter=drafter, tree=tree, fallback=False, calibrate=False, compile=False
     )
-    for text in list(plain_outputs)[:2]:
+    # the draft model drafts in fp32 with a model as large as the target: one prompt keeps the suite's time (the
+    # tiny Llama's tests cover every drafter x tree x verifier in depth)
+    for text in list(plain_outputs)[: 1 if drafter == "draft" else 2]:
         assert engine.generate(text, chat=True, max_new_tokens=48).token_ids == plain_outputs[text]
 
 

@@ -1,6 +1,7 @@
 """lm-evaluation-harness against causaldraft's server: its ``local-completions`` model scores log-likelihoods
-(``echo`` + ``logprobs`` requests, one prompt or several per request) and generates, and every score equals what
-the engine itself reports (``prompt_logprobs``). Exits 1 on a difference.
+(``echo`` + ``logprobs`` requests, one prompt or several per request; with the checkpoint's tokenizer, then with
+the server's ``/tokenize`` endpoints) and generates, and every score equals what the engine itself reports
+(``prompt_logprobs``). Exits 1 on a difference.
 
 lm_eval is not a dependency of causaldraft; install it beside the project without touching torch, e.g.
 
@@ -44,13 +45,18 @@ def engine_scores(engine: Engine, pairs: list[tuple[list[int], list[int]]]) -> l
     return scores
 
 
-def harness_for(engine: Engine, url: str, batch_size: int):  # type: ignore[no-untyped-def]
+def harness_for(engine: Engine, url: str, batch_size: int, remote: bool = False):  # type: ignore[no-untyped-def]
+    """The harness's client; ``remote``: it finds the server's tokenizer endpoints itself (``auto``) instead of
+    reading the checkpoint's tokenizer."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     name = engine.model.model_dir.name
-    return LocalCompletionsAPI(model=name, base_url=f"{url}/v1/completions", tokenizer=str(engine.model.model_dir),
-                               tokenizer_backend="huggingface", tokenized_requests=True, batch_size=batch_size,
-                               max_retries=1)  # fmt: skip
+    tokenizer = {"tokenizer_backend": "auto"} if remote else {"tokenizer_backend": "huggingface",
+                                                               "tokenizer": str(engine.model.model_dir)}  # fmt: skip
+    harness = LocalCompletionsAPI(model=name, base_url=f"{url}/v1/completions", tokenized_requests=True,
+                                  batch_size=batch_size, max_retries=1, **tokenizer)  # fmt: skip
+    assert harness.tokenizer_backend == ("remote" if remote else "huggingface")
+    return harness
 
 
 def main() -> int:
@@ -67,8 +73,8 @@ def main() -> int:
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(PAIRS)]
     failed = False
     with BackgroundServer(create_app(engine, model_name=engine.model.model_dir.name)) as server:
-        for batch_size in (1, 4):
-            harness = harness_for(engine, server.url, batch_size)
+        for batch_size in (1, 4):  # batch 4: several prompts per request, and the server's tokenizer endpoints
+            harness = harness_for(engine, server.url, batch_size, remote=batch_size > 1)
             for (context, continuation), (logprob, greedy), (want, want_greedy) in zip(
                 PAIRS, harness.loglikelihood(requests), expected, strict=True
             ):

@@ -557,6 +557,29 @@ def test_ignored_fields_are_answered_and_logged_once(
     assert len(warnings) == 1 and "unread_option_a, unread_option_b" in warnings[0], warnings
 
 
+def test_tokenizer_endpoints_are_vllm_s(server: BackgroundServer, reference: Engine) -> None:
+    """``/tokenize`` gives the ids ``/v1/completions`` (text) and ``/v1/chat/completions`` (messages) read,
+    ``/detokenize`` the text back, ``/tokenizer_info`` what lm-evaluation-harness's remote tokenizer reads; bad
+    bodies are 400s naming the field."""
+    text = "Hello there, <|im_start|> friend"
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=60).json()
+    assert tokenized["tokens"] == reference.encode(text) and tokenized["count"] == len(tokenized["tokens"])
+    assert tokenized["max_model_len"] == CONTEXT
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    assert chat_ids == reference.encode(messages)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": tokenized["tokens"]}, timeout=60).json()
+    assert back == {"prompt": reference.tokenizer.decode(tokenized["tokens"])}
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] == reference.tokenizer.eos_token and info["model_max_length"] == CONTEXT
+    assert info["chat_template"] == reference.tokenizer.chat_template
+    for path, body, param in [("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("tokenize", {"prompt": 5}, "prompt"), ("detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("detokenize", {"tokens": "abc"}, "tokens")]:  # fmt: skip
+        response = httpx.post(f"{server.url}/{path}", json=body, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (path, body)
+
+
 def test_unknown_route_and_method_get_error_bodies(server: BackgroundServer) -> None:
     missing = httpx.get(f"{server.url}/v1/engines")
     assert missing.status_code == 404 and "message" in missing.json()["error"]

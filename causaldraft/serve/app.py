@@ -36,7 +36,14 @@ from causaldraft.serve.logprob_bodies import (
     vllm_prompt_logprobs,
 )
 from causaldraft.serve.metrics import Metrics
-from causaldraft.serve.schemas import MAX_REQUEST_BYTES, ChatCompletionRequest, CompletionRequest, GenerationParams
+from causaldraft.serve.schemas import (
+    MAX_REQUEST_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationParams,
+    TokenizeRequest,
+)
 from causaldraft.serve.worker import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_QUEUE,
@@ -56,7 +63,8 @@ from causaldraft.serve.worker import (
 log = logging.getLogger(__name__)
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
-KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+KNOWN_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/tokenize",
+               "/detokenize", "/tokenizer_info")  # fmt: skip
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "server_error"}  # fmt: skip
@@ -410,6 +418,40 @@ def create_app(
             raise ApiError(404, f"model {model_id!r} is not served here; use {served_model!r}", "model",
                            "model_not_found")  # fmt: skip
         return model_card()
+
+    # vLLM's tokenizer endpoints (lm-evaluation-harness finds them and needs no tokenizer of its own)
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(TokenizeRequest, await read_body(request))
+        loop = asyncio.get_running_loop()
+        try:
+            ids = await loop.run_in_executor(tokenizing, token_ids_of, body)
+        except CausalDraftError as error:
+            raise ApiError(400, str(error), "messages" if body.messages is not None else "prompt") from None
+        return {"count": len(ids), "max_model_len": worker.context_length, "tokens": ids}
+
+    def token_ids_of(body: TokenizeRequest) -> list[int]:
+        if body.messages is not None:
+            return engine.encode_chat([{"role": item.role, "content": item.text()} for item in body.messages])
+        assert body.prompt is not None
+        if body.add_special_tokens:
+            return list(engine.tokenizer.encode(body.prompt, add_special_tokens=True))
+        return engine.encode(body.prompt)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(DetokenizeRequest, await read_body(request))
+        vocab = engine.model.backend.shape.vocab_size
+        if any(token >= vocab for token in body.tokens):
+            raise ApiError(400, f"token ids must be below the vocabulary's size, {vocab}", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        tokenizer = engine.tokenizer
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "chat_template": tokenizer.chat_template, "model_max_length": worker.context_length}  # fmt: skip
 
     ignored: set[str] = set()  # fields already logged as ignored
 

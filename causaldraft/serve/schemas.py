@@ -264,3 +264,28 @@ class ChatCompletionRequest(GenerationParams):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a text (as ``/v1/completions`` reads it; ``add_special_tokens`` adds the tokenizer's
+    own, as vLLM's default does not here) or chat messages (as ``/v1/chat/completions`` renders them)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise body_error("prompt", "give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize``: token ids -> text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    tokens: list[Annotated[int, Field(ge=0)]]

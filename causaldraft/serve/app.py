@@ -512,7 +512,8 @@ def create_app(
                 if len(generations) == 1
                 else ("prompt", f"{len(generations)} prompts x n {body.n}")
             )
-            raise ApiError(400, f"{asked} is more answers than this server runs and queues at once ({capacity})", param)
+            raise ApiError(400, f"{asked} is more answers than this server runs and queues at once ({capacity}: its "
+                           "--max-batch + --max-queue)", param)  # fmt: skip
         ready = []
         for generation in generations:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import operator
 import random
 import sys
@@ -14,7 +15,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jinja2
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from causaldraft.adapt import (
     AdaptState,
@@ -62,7 +65,13 @@ def token_id(item: object) -> int:
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed", *PENALTIES, "logit_bias")  # SamplingConfig's fields
 DEFAULT_MAX_NEW_TOKENS = 256  # a request's, when it names none
 STOP_OPTIONS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")  # when the output ends
-REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "logprobs", "prompt_logprobs")
+REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "chat_template_kwargs", "logprobs",
+                   "prompt_logprobs")  # fmt: skip
+# apply_chat_template's own arguments: not template variables (one of them would change how the call renders)
+TEMPLATE_CALL_ARGUMENTS = frozenset(
+    name for name in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    if name not in ("self", "kwargs")
+)  # fmt: skip
 
 
 def check_request_options(options: Mapping[str, object]) -> None:
@@ -85,6 +94,21 @@ def check_request_options(options: Mapping[str, object]) -> None:
     validate_top_logprobs(options.get("prompt_logprobs"), "prompt_logprobs")
     if not isinstance(options.get("chat", False), bool):
         raise CausalDraftError(f"chat must be True or False, got {options['chat']!r}")
+    template_variables(options.get("chat_template_kwargs"))
+
+
+def template_variables(value: object) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM's name): more variables for the chat template, such as Qwen3's
+    ``{"enable_thinking": False}``; None or a dict by variable name."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) and name.isidentifier() for name in value):
+        raise CausalDraftError(f"chat_template_kwargs must be a dict of template variables by name, got {value!r}")
+    reserved = sorted(set(value) & TEMPLATE_CALL_ARGUMENTS)
+    if reserved:
+        raise CausalDraftError(f"chat_template_kwargs cannot set {reserved[0]!r}: it is an argument of the template's "
+                               "call, not a variable of the template")  # fmt: skip
+    return dict(value)
 
 
 def stop_strings(stop: object) -> list[str]:
@@ -160,13 +184,20 @@ class Engine:
     def tokenizer(self):  # type: ignore[no-untyped-def]
         return self.model.tokenizer
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode(
+        self, prompt: Prompt, chat: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """A prompt's token ids. ``prompt``: text (with ``chat``, the user's message in the chat template),
         chat messages (``[{"role": "system", "content": ...}, {"role": "user", ...}]``, always through the
-        template), or token ids, taken as they are. Anything else is a CausalDraftError."""
+        template), or token ids, taken as they are. ``chat_template_kwargs``: more template variables
+        (``encode_chat``), for a prompt that goes through the template. Anything else is a CausalDraftError."""
+        untemplated = CausalDraftError("chat_template_kwargs apply to a prompt rendered by the chat template: "
+                                       "chat messages, or text with chat=True")  # fmt: skip
         if isinstance(prompt, str):
+            if chat_template_kwargs is not None and not chat:
+                raise untemplated
             if chat:
-                return self.encode_chat([{"role": "user", "content": prompt}])
+                return self.encode_chat([{"role": "user", "content": prompt}], chat_template_kwargs)
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
             raise CausalDraftError(
@@ -174,7 +205,9 @@ class Engine:
             )
         items = list(prompt)
         if items and all(isinstance(item, Mapping) for item in items):
-            return self.encode_chat(typing.cast(list[Mapping[str, str]], items))
+            return self.encode_chat(typing.cast(list[Mapping[str, str]], items), chat_template_kwargs)
+        if chat_template_kwargs is not None:
+            raise untemplated
         odd = next((item for item in items if isinstance(item, (str, Mapping))), None)
         if odd is not None:
             raise CausalDraftError(f"a prompt list holds chat messages (dicts with a role and a content) or token ids "
@@ -187,7 +220,13 @@ class Engine:
             raise CausalDraftError(f"token ids must be in [0, {vocab})")
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Chat messages through the model's chat template, with the assistant's turn opened;
+        ``chat_template_kwargs``: more variables for the template (``template_variables``). A template that
+        refuses the messages (some have no system role) is a CausalDraftError."""
+        variables = template_variables(chat_template_kwargs)
         for message in messages:
             if (
                 not isinstance(message, Mapping)
@@ -197,7 +236,10 @@ class Engine:
                 raise CausalDraftError(f"a chat message is a dict with a str role and a str content, got {message!r}")
         if not self.tokenizer.chat_template:
             raise CausalDraftError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
+        except jinja2.TemplateError as error:
+            raise CausalDraftError(f"the chat template refused these messages: {error}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def start(
@@ -210,6 +252,7 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         chat: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         presence_penalty: float = 0.0,
@@ -249,7 +292,7 @@ class Engine:
         stops = stop_strings(stop)
         top_logprobs = validate_top_logprobs(logprobs)
         top_prompt_logprobs = validate_top_logprobs(prompt_logprobs, "prompt_logprobs")
-        prompt_ids = self.encode(prompt, chat)
+        prompt_ids = self.encode(prompt, chat, chat_template_kwargs)
         generator = None if sampling.greedy else make_generator(seed)
         gumbel = not sampling.greedy and decoder.decode.sampler == "gumbel" and decoder.decode.acceptance == "lossless"
         # Greedy and Gumbel-sampled output does not depend on the tree, so those requests use the

@@ -5,6 +5,7 @@ instead of each other."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from causaldraft.config import (
@@ -141,6 +142,20 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, type=stop_string,
                         help=r"stop string (repeatable); \n, \t, \r and \\ in it are a newline, a tab, a carriage "
                         r"return and a backslash")  # fmt: skip
+    parser.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                        help="more variables for the chat template, "
+                        "e.g. '{\"enable_thinking\": false}' (Qwen3)")  # fmt: skip
+
+
+def json_object(text: str) -> dict[str, object]:
+    """``--chat-template-kwargs``' JSON object (its names are checked with the request's other values)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -157,7 +172,10 @@ def request_options(args: argparse.Namespace) -> dict[str, object]:
     """A request's options (``api.REQUEST_OPTIONS``) from ``add_sampling_flags``' flags."""
     names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", *PENALTIES, "stop", "stop_token_ids",
              "ignore_eos", "min_tokens")  # fmt: skip
-    return {**{name: getattr(args, name) for name in names}, "logit_bias": dict(args.logit_bias or [])}
+    options = {**{name: getattr(args, name) for name in names}, "logit_bias": dict(args.logit_bias or [])}
+    if args.chat_template_kwargs is not None:
+        options["chat_template_kwargs"] = args.chat_template_kwargs
+    return options
 
 
 def bias_flag(text: str) -> tuple[int, float]:

@@ -7,7 +7,7 @@ import torch
 
 from causaldraft.models import bf16_choice
 from causaldraft.models.loading import LoadedModel, load_model
-from tests.tiny import save_tiny_gpt2, save_tiny_llama
+from tests.tiny import save_tiny_gpt2, save_tiny_llama, save_tiny_qwen3
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,6 +35,11 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Qwen2ForCausalLM(config).save_pretrained(str(directory))
     byte_tokenizer().save_pretrained(str(directory))
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 @pytest.fixture(scope="session")

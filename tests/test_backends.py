@@ -69,6 +69,30 @@ def test_native_qwen2_layout_with_qkv_bias_matches_transformers(tiny_qwen_dir: P
         assert (native_tree - hf_tree).abs().max() < 1e-3
 
 
+def test_native_qwen3_layout_with_query_and_key_norms_matches_transformers(tiny_qwen3_dir: Path) -> None:
+    native = NativeLlama.from_pretrained(tiny_qwen3_dir, torch.float32)
+    shape = native.llama_shape
+    assert shape.qk_norm and not shape.qkv_bias and shape.head_dim * shape.num_heads != shape.hidden_size
+    reference = HFBackend.from_pretrained(tiny_qwen3_dir, torch.float32)
+    for tree in TREES.values():
+        native_prefix, native_tree = run_prefix_and_tree(native, tree)
+        hf_prefix, hf_tree = run_prefix_and_tree(reference, tree)
+        assert (native_prefix - hf_prefix).abs().max() < 1e-3
+        assert (native_tree - hf_tree).abs().max() < 1e-3
+
+
+def test_query_and_key_norms_in_a_llama_checkpoint_are_refused(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """Per-head norms belong to Qwen3: a checkpoint that has them under another model type would decode
+    without them, so the native backend refuses it."""
+    directory = tmp_path / "relabelled"
+    shutil.copytree(tiny_qwen3_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CausalDraftError, match=r"does not read \d+ tensors .*_norm\.weight.*--backend hf"):
+        load_model(str(directory), backend="native", dtype="float32")
+
+
 def plain_causal_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0]

@@ -4,6 +4,7 @@ earlier whole chunks of it (kept prompt prefixes), resets and survives a turn th
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from causaldraft.api import load
 from causaldraft.chat import chat_loop
 from causaldraft.cli import main
 from causaldraft.decode import PROMPT_CHUNK
+from causaldraft.errors import CausalDraftError
 
 LONG = "tell me about the quick brown fox that jumps over the lazy dog, " * 5  # 320 byte tokens
 
@@ -56,3 +58,36 @@ def test_the_command_reads_stdin_and_refuses_bad_options_before_loading(
     assert captured.out == expected + "\n" and "tokens/s" in captured.err
     assert main([*flags, "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``): the template renders with them, in ``encode``,
+    a request and the CLI; what cannot be a template variable, or a prompt the template does not render, is
+    refused; a template's own refusal is a CausalDraftError."""
+    engine = load(model=str(tiny_llama_dir), dtype="float32", drafter="lookup", calibrate=False, compile=False)
+    messages = [{"role": "user", "content": "hi"}]
+    thinking_off = {"enable_thinking": False}
+    plain, switched = engine.encode(messages), engine.encode(messages, chat_template_kwargs=thinking_off)
+    assert switched == plain + engine.encode("<think></think>")
+    assert engine.encode("hi", chat=True, chat_template_kwargs=thinking_off) == switched
+    assert engine.encode(messages, chat_template_kwargs={"enable_thinking": True}) == plain
+    expected = engine.generate(switched, max_new_tokens=8).token_ids
+    assert engine.generate(messages, max_new_tokens=8, chat_template_kwargs=thinking_off).token_ids == expected
+    assert main(["generate", "--no-compile", "--prompt", "hi", "--chat", "--model", str(tiny_llama_dir),
+                 "--dtype", "float32", "--max-new-tokens", "8", "--json",
+                 "--chat-template-kwargs", '{"enable_thinking": false}']) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected
+    for prompt, options, message in [
+        (messages, {"chat_template_kwargs": {"tokenize": True}}, "cannot set 'tokenize'"),
+        (messages, {"chat_template_kwargs": ["enable_thinking"]}, "must be a dict"),
+        (messages, {"chat_template_kwargs": {"not a name": 1}}, "must be a dict"),
+        ("hi", {"chat_template_kwargs": thinking_off}, "rendered by the chat template"),
+        ([5, 6], {"chat_template_kwargs": thinking_off}, "rendered by the chat template"),
+        ([{"role": "wizard", "content": "hi"}], {}, "refused these messages: unknown role wizard"),
+    ]:  # fmt: skip
+        with pytest.raises(CausalDraftError, match=message):
+            engine.generate(prompt, max_new_tokens=2, **options)
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--prompt", "hi", "--chat", "--model", str(tiny_llama_dir), "--chat-template-kwargs", "[1]"])
+    assert exited.value.code == 2
+    assert "expected a JSON object" in capsys.readouterr().err

@@ -199,6 +199,29 @@ def test_batched_generation_equals_plain_decoding_and_its_features(tiny: LoadedM
         assert torch.equal(seq.topk_ids[:, 0], seq.tokens[seq.prompt_length :])  # greedy = top-1
 
 
+def test_batched_generation_of_a_qwen3_equals_plain_decoding_and_its_features(
+    tiny_qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """The batched generator's own attention (models/batched.py) applies Qwen3's query and key norms too."""
+    qwen3 = load_model(str(tiny_qwen3_dir), "native", "float32")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    config = FeatureGenConfig(tokens=1000, max_new_tokens=16, batch_size=2, refill=1, top_k=4, threads=1)
+    assert isinstance(qwen3.backend, NativeLlama) and qwen3.backend.llama_shape.qk_norm
+    generate_features(qwen3.backend, qwen3.tokenizer, [prompts], tmp_path / "data", AUX, config, qwen3.fingerprint)
+    engine = load(loaded=qwen3, drafter="none", calibrate=False, compile=False)
+    sequences = load_sequences(tmp_path / "data")
+    assert len(sequences) == len(PROMPTS)
+    for seq in sequences:
+        expected = engine.generate(seq.tokens[: seq.prompt_length].tolist(), max_new_tokens=16).token_ids
+        assert seq.tokens[seq.prompt_length :].tolist() == expected
+        n = seq.tokens.shape[0] - 1
+        out = qwen3.backend.forward(seq.tokens[:n], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+                                    qwen3.backend.new_cache(n), aux_layers=AUX)  # fmt: skip
+        assert out.aux is not None
+        torch.testing.assert_close(seq.features.float(), out.aux.float(), atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("score_temperature", [1.0, 0.6])
 def test_drafting_computes_exactly_what_training_unrolls(
     tiny: LoadedModel, generated: Path, score_temperature: float

@@ -130,6 +130,30 @@ def test_greedy_speculative_output_is_plain_decoding_with_heads_of_64(
     assert_speculation_is_plain_decoding(wide_heads["bfloat16"], tmp_path, drafter, "dynamic", max_new_tokens=80)
 
 
+@pytest.fixture(scope="module")
+def qwen3(tiny_qwen3_dir: Path) -> dict[str, LoadedModel]:
+    """The tiny Qwen3 (query and key norms per head, heads of 32 over a hidden size of 64)."""
+    return {dtype: load_model(str(tiny_qwen3_dir), "native", dtype) for dtype in ("bfloat16", "int4")}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int4"])
+def test_tree_rows_equal_one_row_passes_with_query_and_key_norms(qwen3: dict[str, LoadedModel], dtype: str) -> None:
+    backend = backend_of(qwen3[dtype])
+    assert backend.llama_shape.qk_norm
+    layers = tuple(range(backend.llama_shape.num_layers + 1))
+    for prefix in PREFIXES[:2]:
+        assert_rows_match_one_row_passes(backend, prefix, layers)
+
+
+@pytest.mark.parametrize(("dtype", "drafter"), [("bfloat16", "eagle3"), ("int4", "lookup")])
+def test_greedy_speculative_output_is_plain_decoding_with_query_and_key_norms(
+    qwen3: dict[str, LoadedModel], tmp_path: Path, dtype: str, drafter: str
+) -> None:
+    if dtype == "int4" and torch.backends.mkldnn.is_available():  # prompts read by the twin, with the same norms
+        assert qwen3[dtype].prefill is not None
+    assert_speculation_is_plain_decoding(qwen3[dtype], tmp_path, drafter, "dynamic", max_new_tokens=80)
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_eager_tree_rows_equal_one_row_passes_in_torch_ops(
     models: dict[str, LoadedModel], dtype: str, monkeypatch: pytest.MonkeyPatch

@@ -128,6 +128,13 @@ def test_chat_greedy_equals_engine(client: openai.OpenAI, reference: Engine) -> 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    thinking_off = {"enable_thinking": False}  # vLLM's chat_template_kwargs, as its clients send them
+    switched = reference.generate(messages, max_new_tokens=16, chat_template_kwargs=thinking_off)
+    assert switched.token_ids != expected.token_ids  # the variable changes the prompt, and so the answer
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            extra_body={"chat_template_kwargs": thinking_off})  # fmt: skip
+    assert result.choices[0].message.content == switched.text
+    assert result.usage is not None and result.usage.prompt_tokens == len(reference.encode(messages)) + 15
 
 
 def test_null_parameters_mean_defaults(server: BackgroundServer, reference: Engine) -> None:
@@ -243,6 +250,8 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(frequency_penalty=-2.5), "frequency_penalty"),
     ("chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat/completions", chat(chat_template_kwargs="enable_thinking"), "chat_template_kwargs"),
+    ("chat/completions", chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
 ]
 
 
@@ -573,7 +582,13 @@ def test_tokenizer_endpoints_are_vllm_s(server: BackgroundServer, reference: Eng
     info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
     assert info["eos_token"] == reference.tokenizer.eos_token and info["model_max_length"] == CONTEXT
     assert info["chat_template"] == reference.tokenizer.chat_template
+    thinking_off = {"enable_thinking": False}  # a template variable (tests/tiny.py), as vLLM takes it
+    switched = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "chat_template_kwargs": thinking_off},
+                          timeout=60).json()["tokens"]  # fmt: skip
+    assert switched == reference.encode(messages, chat_template_kwargs=thinking_off) != chat_ids
     for path, body, param in [("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": 1}},
+                               "chat_template_kwargs"),
                               ("tokenize", {"prompt": 5}, "prompt"), ("detokenize", {"tokens": [10**9]}, "tokens"),
                               ("detokenize", {"tokens": "abc"}, "tokens")]:  # fmt: skip
         response = httpx.post(f"{server.url}/{path}", json=body, timeout=60)

@@ -9,9 +9,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
+# Like Qwen3's template, a variable (``enable_thinking``) changes the assistant's opening when a request sets it,
+# and an unknown role is refused (``raise_exception``, which transformers gives templates)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    "{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: "
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
 )
 
 
@@ -54,6 +59,26 @@ def save_tiny_llama(directory: Path, seed: int = 0, scale: float = 4.0, **overri
     model = LlamaForCausalLM(tiny_llama_config(**overrides))
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
+    model.save_pretrained(str(directory))
+    byte_tokenizer().save_pretrained(str(directory))
+    return directory
+
+
+def save_tiny_qwen3(directory: Path, seed: int = 1) -> Path:
+    """A random Qwen3 (per-head query and key norms, a head size other than hidden / heads), its norms' weights
+    spread around 1 so that reading them wrong changes the output, its LM head scaled up as the tiny Llama's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        model.lm_head.weight.mul_(4.0)
     model.save_pretrained(str(directory))
     byte_tokenizer().save_pretrained(str(directory))
     return directory

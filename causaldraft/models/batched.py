@@ -92,12 +92,10 @@ def batched_forward(
             aux.append(x)
         layer = cast(DecoderLayer, module)
         attn = layer.self_attn
-        q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split(attn.rows, dim=-1)
-        q = apply_rope(q.view(batch, n, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)  # [B, nh, n, hd]
-        k = apply_rope(k.view(batch, n, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)  # [B, kvh, n, hd]
-        v = v.view(batch, n, s.kv_heads, s.head_dim)  # [B, n, kvh, hd]
+        q, k, v = attn.split_heads(attn.qkv_proj(layer.input_layernorm(x)), batch, n)  # [B, heads, n, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.keys[index][rows, :, slots] = k.transpose(1, 2)
-        cache.values[index][rows, :, slots] = v
+        cache.values[index][rows, :, slots] = v.transpose(1, 2)
         out = attend_rows(q, cache.keys[index][:, :, :span], cache.values[index][:, :, :span], mask)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, n, s.num_heads * s.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

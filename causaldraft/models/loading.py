@@ -260,11 +260,12 @@ def load_model(model: str = "default", backend: str = "native", dtype: str = "au
 
 
 # Checkpoint tensors the native backend reads (before ``native.fuse_projections``); q/k/v biases only where
-# the config has them (``LlamaShape.qkv_bias``). ``rotary_emb.inv_freq`` is a buffer old checkpoints saved.
+# the config has them (``LlamaShape.qkv_bias``), query/key norms where it is a Qwen3 (``LlamaShape.qk_norm``).
+# ``rotary_emb.inv_freq`` is a buffer old checkpoints saved.
 NATIVE_TENSORS = re.compile(
     r"(model\.)?(embed_tokens\.weight|norm\.weight|layers\.\d+\.(input_layernorm\.weight"
     r"|post_attention_layernorm\.weight|self_attn\.[qkvo]_proj\.weight|self_attn\.[qkv]_proj\.bias"
-    r"|self_attn\.rotary_emb\.inv_freq|mlp\.(gate|up|down)_proj\.weight))|lm_head\.weight"
+    r"|self_attn\.[qk]_norm\.weight|self_attn\.rotary_emb\.inv_freq|mlp\.(gate|up|down)_proj\.weight))|lm_head\.weight"
 )
 
 
@@ -276,7 +277,11 @@ def unused_by_native(model_dir: Path, shape: LlamaShape) -> list[str]:
         with opened(file) as handle:
             names = list(handle.keys())
         for name in names:
-            if not NATIVE_TENSORS.fullmatch(name) or (name.endswith("_proj.bias") and not shape.qkv_bias):
+            if (
+                not NATIVE_TENSORS.fullmatch(name)
+                or (name.endswith("_proj.bias") and not shape.qkv_bias)
+                or (name.endswith("_norm.weight") and "self_attn." in name and not shape.qk_norm)
+            ):
                 unused.append(name)
     return sorted(unused)
 

@@ -1,7 +1,8 @@
-"""A compact Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2) over any tree of new tokens.
+"""A compact Llama-family forward (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over any tree of new tokens.
 
-RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or untied LM head. Weights are read from a
-Hugging Face checkpoint directory (config.json + *.safetensors) without transformers' model classes.
+RMSNorm, RoPE, grouped-query attention (with Qwen3's per-head query and key norms), SwiGLU, tied or untied LM
+head. Weights are read from a Hugging Face checkpoint directory (config.json + *.safetensors) without transformers'
+model classes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from causaldraft.models.blocked import (
 )
 from causaldraft.models.products import at_least_rows, product_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
 # rounds differently from products of two or more rows (the kernels of 2+ rows agree row by row),
 # and computing one row as two inside a graph lets inductor fuse the copy into the norm before it,
@@ -74,6 +75,7 @@ class LlamaShape:
     tie_embeddings: bool
     qkv_bias: bool
     max_positions: int
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before rope
 
     def part_rows(self, fused: str) -> tuple[int, ...]:
         """Output rows of each part of a fused projection (``FUSED_PROJECTIONS`` key)."""
@@ -104,6 +106,7 @@ class LlamaShape:
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             max_positions=int(getattr(config, "max_position_embeddings", 4096)),
+            qk_norm=config.model_type == "qwen3",
         )
 
 
@@ -152,6 +155,20 @@ class Attention(nn.Module):
         self.rows = shape.part_rows("self_attn.qkv_proj")
         self.qkv_proj = Linear(shape.hidden_size, sum(self.rows), bias=shape.qkv_bias)
         self.o_proj = Linear(shape.num_heads * hd, shape.hidden_size, bias=False)
+        self.q_norm = RMSNorm(hd, shape.rms_eps) if shape.qk_norm else None
+        self.k_norm = RMSNorm(hd, shape.rms_eps) if shape.qk_norm else None
+
+    def split_heads(self, qkv: torch.Tensor, sequences: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [S * n or S, n, q + k + v] -> queries [S, nh, n, hd], keys and values
+        [S, kvh, n, hd], before rope; queries and keys through their per-head norms where the model has them."""
+        s = self.shape
+        q, k, v = qkv.split(self.rows, dim=-1)
+        q = q.reshape(sequences, n, s.num_heads, s.head_dim)
+        k = k.reshape(sequences, n, s.kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = v.reshape(sequences, n, s.kv_heads, s.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
         self,
@@ -165,10 +182,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         sequences, n = slots.shape
         hd = self.shape.head_dim
-        q, k, v = self.qkv_proj(x).split(self.rows, dim=-1)
-        q = q.reshape(sequences, n, self.shape.num_heads, hd).transpose(1, 2)  # [S, nh, n, hd]
-        k = k.reshape(sequences, n, self.shape.kv_heads, hd).transpose(1, 2)  # [S, kvh, n, hd]
-        v = v.reshape(sequences, n, self.shape.kv_heads, hd).transpose(1, 2)  # [S, kvh, n, hd]
+        q, k, v = self.split_heads(self.qkv_proj(x), sequences, n)  # [S, nh, n, hd], [S, kvh, n, hd] x 2
         cos, sin = cos.view(sequences, 1, n, hd), sin.view(sequences, 1, n, hd)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)

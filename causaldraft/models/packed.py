@@ -30,13 +30,14 @@ invariance, only speed: int8 weights for calls of one or two rows, packed bf16 a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from causaldraft.models import q8_0_head
-from causaldraft.models.native import NativeLlama
+from causaldraft.models.native import Attention, NativeLlama
 from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import INT8_IN_MULTIPLE, Int4Linear, Int8Linear, quantize_int8
 
@@ -264,6 +265,8 @@ def prefill_model(
     for twin_layer, layer in zip(twin.layers, model.layers, strict=True):
         twin_layer.input_layernorm = layer.input_layernorm
         twin_layer.post_attention_layernorm = layer.post_attention_layernorm
+        twin_attention, attention = cast(Attention, twin_layer.self_attn), cast(Attention, layer.self_attn)
+        twin_attention.q_norm, twin_attention.k_norm = attention.q_norm, attention.k_norm
     for name, source in linears:
         full = dequantized(name)
         if full is None:

@@ -57,6 +57,7 @@ from causaldraft.serve.worker import (
     QueueFull,
     Started,
     Worker,
+    message_param,
     param_of,
 )
 
@@ -427,12 +428,16 @@ def create_app(
         try:
             ids = await loop.run_in_executor(tokenizing, token_ids_of, body)
         except CausalDraftError as error:
-            raise ApiError(400, str(error), "messages" if body.messages is not None else "prompt") from None
+            param = message_param(str(error))
+            if param in (None, "prompt"):
+                param = "messages" if body.messages is not None else "prompt"
+            raise ApiError(400, str(error), param) from None
         return {"count": len(ids), "max_model_len": worker.context_length, "tokens": ids}
 
     def token_ids_of(body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            return engine.encode_chat([{"role": item.role, "content": item.text()} for item in body.messages])
+            messages = [{"role": item.role, "content": item.text()} for item in body.messages]
+            return engine.encode_chat(messages, body.chat_template_kwargs)
         assert body.prompt is not None
         if body.add_special_tokens:
             return list(engine.tokenizer.encode(body.prompt, add_special_tokens=True))
@@ -478,6 +483,7 @@ def create_app(
         note_ignored(body)
         generation = generation_request(body, prompt=None, messages=body.chat_messages(),
                                         max_tokens=body.requested_max_tokens())  # fmt: skip
+        generation = replace(generation, chat_template_kwargs=body.chat_template_kwargs)
         return await respond(request, body, [generation], reply(True, "chatcmpl", body))
 
     def reply(chat: bool, kind: str, body: GenerationParams) -> Reply:

@@ -246,6 +246,7 @@ class ChatCompletionRequest(GenerationParams):
     unsupported: ClassVar[dict[str, Callable[[object], bool]]] = {**UNSUPPORTED, "echo": asks_nothing}
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more chat template variables
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
@@ -274,6 +275,7 @@ class TokenizeRequest(BaseModel):
 
     prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in a chat request
     add_special_tokens: bool = False
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from causaldraft.api import Completion, Engine
 from causaldraft.batch import Batch, Stream
@@ -57,6 +58,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     prompt_logprobs: int | None = None  # alternatives per prompt token (completions' echo with logprobs); None: none
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: more variables for the template
 
     @property
     def default_max_tokens(self) -> int:
@@ -172,7 +174,7 @@ class Worker:
         tokenizer is only read). Raises CausalDraftError for a user error."""
         engine = self.engine
         if request.messages is not None:
-            prompt_ids = engine.encode_chat(request.messages)
+            prompt_ids = engine.encode_chat(request.messages, request.chat_template_kwargs)
         else:
             assert request.prompt is not None
             prompt_ids = engine.encode(request.prompt)
@@ -313,7 +315,8 @@ def param_of(message: str, request: GenerationRequest) -> str | None:
 
 
 def message_param(message: str) -> str | None:
-    for name, param in (("logit_bias", "logit_bias"), ("stop_token_ids", "stop_token_ids"),
+    for name, param in (("chat_template_kwargs", "chat_template_kwargs"),
+                        ("logit_bias", "logit_bias"), ("stop_token_ids", "stop_token_ids"),
                         ("min_tokens", "min_tokens"), ("max_new_tokens", "max_tokens"), ("max_tokens", "max_tokens"),
                         ("prompt", "prompt"),
                         ("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),

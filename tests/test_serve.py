@@ -542,10 +542,12 @@ def test_prompts_are_tokenized_off_the_engine_thread(model_dir: Path) -> None:
     threads: list[str] = []
     encode = engine.encode
 
-    def recording_encode(prompt: str | list[int], chat: bool = False) -> list[int]:
+    def recording_encode(
+        prompt: str | list[int], chat: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         if isinstance(prompt, str):  # text is tokenized here; the engine thread only gets ids
             threads.append(threading.current_thread().name)
-        return encode(prompt, chat)
+        return encode(prompt, chat, chat_template_kwargs)
 
     engine.encode = recording_encode  # type: ignore[method-assign]
     with BackgroundServer(create_app(engine, model_name=MODEL)) as running:

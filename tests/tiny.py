@@ -12,7 +12,7 @@ SPECIALS = ["<pad>", "<s>", "</s>"]
 # Like Qwen3's template, a variable (``enable_thinking``) changes the assistant's opening when a request sets it,
 # and an unknown role is refused (``raise_exception``, which transformers gives templates)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant', 'tool', 'function'] %}"
     "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
     "<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: "

@@ -41,11 +41,11 @@ lint: setup
 	$(BIN)/mypy causaldraft
 
 # tests run in parallel, one worker per core (up to 4) on one torch thread each; an idle worker takes queued
-# tests from a busy one (pytest-xdist worksteal)
+# tests from a busy one (pytest-xdist worksteal); the 15 slowest are listed, to keep the suite's time in view
 PYTEST_WORKERS ?= -n auto --maxprocesses 4 --dist worksteal
 
 test: lint $(SPEC_BIN)/python
-	CAUSALDRAFT_SPECULATORS_PYTHON=$(SPEC_BIN)/python $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
+	CAUSALDRAFT_SPECULATORS_PYTHON=$(SPEC_BIN)/python $(BIN)/python -m pytest -q $(PYTEST_WORKERS) --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"

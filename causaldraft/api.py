@@ -613,8 +613,8 @@ def load(
         tree_config = flat_cost_tree(tree_config, cost, config.depth is not None, config.lookup_depth is not None)
     else:
         cost = VerifyCost({1: 1.0, 64: 1.0})
-    eos = {int(target.tokenizer.eos_token_id)} if target.tokenizer.eos_token_id is not None else set()
-    decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, frozenset(eos), target.prefill)
+    ends = target.end_token_ids()  # the tokenizer's EOS and generation_config.json's
+    decoder = Decoder(target.backend, chosen, tree_config, config.decode_config, cost, ends, target.prefill)
     full = torch.get_num_threads()
     adapt_threads = config.adapt_threads and thread_invariant(target.backend, full, target.prefill)
     threads = ThreadPolicy(full, VerifyCost(dict(cost.seconds), buckets=cost.buckets), enabled=adapt_threads)

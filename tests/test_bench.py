@@ -223,7 +223,8 @@ def test_parse_method() -> None:
     assert parse_methods("lookup,lookup:dynamic,ar,auto:chain") == ["lookup", "ar", "auto:chain"]  # same method once
     with pytest.raises(CausalDraftError, match="unknown method 'foo'"):
         parse_methods("ar,foo")
-    assert cut_at_eos([5, 2, 7], 2) == (5, 2) and cut_at_eos([5, 7], 2) == (5, 7)
+    assert cut_at_eos([5, 2, 7], frozenset({2})) == (5, 2) and cut_at_eos([5, 7], frozenset({2})) == (5, 7)
+    assert cut_at_eos([5, 9, 2, 7], frozenset({2, 9})) == (5, 9)
 
 
 def test_first_difference() -> None:

@@ -4,6 +4,7 @@ sampling law end to end on the tiny model."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -133,6 +134,33 @@ def test_eos_accepted_mid_block_ends_the_output_there(
     assert result.token_ids == reference[:cut]
     assert result.finish_reason == "stop"
     assert sum(min(s.accepted + 1, 48) for s in result.stats.steps) > cut  # the last block went past EOS
+
+
+def test_every_end_token_of_generation_config_ends_the_output_as_transformers_does(
+    tiny_llama_dir: Path, plain_outputs: dict[str, list[int]], tmp_path: Path
+) -> None:
+    """Instruct checkpoints list several ``eos_token_id`` in generation_config.json (Llama 3.1, Qwen3); transformers'
+    ``generate`` stops at each, and so does every drafter here. A generation_config.json that cannot be read, or
+    whose ids are not ids, is refused at load."""
+    directory = tmp_path / "ends"
+    shutil.copytree(tiny_llama_dir, directory)
+    reference = plain_outputs[PROMPTS[1]]
+    end = reference[9]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end, 10**6]}))
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(str(directory)).encode(PROMPTS[1], add_special_tokens=False)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids) :].tolist()
+    assert expected == reference[: reference.index(end) + 1]
+    for drafter in ("none", *DRAFTERS):
+        spec = engine(directory, drafter, draft_model=str(directory), fallback=False)
+        result = spec.generate(PROMPTS[1], max_new_tokens=48)
+        assert (result.token_ids, result.finish_reason) == (expected, "stop"), drafter
+        assert spec.generate(PROMPTS[1], max_new_tokens=48, ignore_eos=True).token_ids == reference
+    for text, message in [("{not json", "cannot read"), ('{"eos_token_id": "2"}', "must be a token id")]:
+        (directory / "generation_config.json").write_text(text)
+        with pytest.raises(CausalDraftError, match=message):
+            engine(directory)
 
 
 @pytest.mark.parametrize("drafter", ["none", "lookup", "draft"])

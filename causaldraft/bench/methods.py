@@ -110,20 +110,19 @@ class CausalDraftMethod:
                             tuple(stats.depth_attempts), tuple(stats.depth_accepts))  # fmt: skip
 
 
-def cut_at_eos(tokens: list[int], eos: int | None) -> tuple[int, ...]:
-    """Keep tokens through the first EOS (inclusive), as causaldraft counts them."""
-    if eos is not None and eos in tokens:
-        return tuple(tokens[: tokens.index(eos) + 1])
-    return tuple(tokens)
+def cut_at_eos(tokens: list[int], ends: frozenset[int]) -> tuple[int, ...]:
+    """Keep tokens through the first end token (inclusive), as causaldraft counts them."""
+    first = next((index for index, token in enumerate(tokens) if token in ends), None)
+    return tuple(tokens if first is None else tokens[: first + 1])
 
 
 class HFMethod:
     """transformers ``generate``: plain, or prompt-lookup decoding when ``lookup_tokens`` is set."""
 
-    def __init__(self, name: str, model: Any, eos: int | None, lookup_tokens: int | None) -> None:
+    def __init__(self, name: str, model: Any, ends: frozenset[int], lookup_tokens: int | None) -> None:
         self.name = name
         self.model = model
-        self.eos = eos
+        self.ends = ends
         self.lookup_tokens = lookup_tokens
 
     def generation_config(self, settings: RunSettings) -> Any:
@@ -131,7 +130,8 @@ class HFMethod:
 
         sampled = settings.temperature > 0
         options: dict[str, Any] = {"max_new_tokens": settings.max_new_tokens, "do_sample": sampled,
-                                   "eos_token_id": self.eos, "pad_token_id": self.eos}  # fmt: skip
+                                   "eos_token_id": sorted(self.ends) or None,
+                                   "pad_token_id": min(self.ends, default=None)}  # fmt: skip
         if sampled:
             options.update(temperature=settings.temperature, top_k=0, top_p=1.0)
         if self.lookup_tokens:
@@ -158,7 +158,7 @@ class HFMethod:
             wall_s = time.perf_counter() - started
         finally:
             handle.remove()
-        tokens = cut_at_eos(output[0, len(prompt_ids) :].tolist(), self.eos)
+        tokens = cut_at_eos(output[0, len(prompt_ids) :].tolist(), self.ends)
         return MethodOutput(tokens, wall_s, forwards[0])
 
 
@@ -245,14 +245,10 @@ class MethodFactory:
     def build(self, spec: MethodSpec, max_nodes: int | None = None) -> Method:
         if spec.kind in HF_METHODS:
             lookup = PROMPT_LOOKUP_TOKENS if spec.kind == "hf-lookup" else None
-            return HFMethod(spec.name, self.transformers_model(), self.eos(), lookup)
+            return HFMethod(spec.name, self.transformers_model(), self.loaded.end_token_ids(), lookup)
         if spec.kind == "llamacpp":
             return self.llamacpp(spec)
         return self.causaldraft(spec, max_nodes)
-
-    def eos(self) -> int | None:
-        eos = self.loaded.tokenizer.eos_token_id
-        return int(eos) if eos is not None else None
 
     def transformers_model(self) -> Any:
         if self.hf_model is None:

@@ -210,6 +210,31 @@ class LoadedModel:
     base_fingerprint: str  # the checkpoint, whatever the dtype: what trained drafters and stores are paired with
     prefill: Backend | None = None  # reads prompts where that is faster (quantized: packed.prefill_model)
 
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end an answer (``end_token_ids``)."""
+        return end_token_ids(self.model_dir, self.tokenizer, self.backend.shape.vocab_size)
+
+
+def end_token_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> frozenset[int]:
+    """The tokenizer's EOS and every ``eos_token_id`` of the checkpoint's generation_config.json: instruct
+    checkpoints list several there (Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Qwen2.5 and Qwen3:
+    <|im_end|>, <|endoftext|>), and transformers' ``generate`` and vLLM stop at each. Ids outside the
+    vocabulary are left out; an unreadable generation_config.json is a CausalDraftError."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        try:
+            listed = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as error:
+            raise CausalDraftError(f"cannot read {path}: {error}") from None
+        items = listed if isinstance(listed, list) else [listed]
+        if not all(item is None or (isinstance(item, int) and not isinstance(item, bool)) for item in items):
+            raise CausalDraftError(f"{path}: eos_token_id must be a token id or a list of them, got {listed!r}")
+        ids.update(item for item in items if item is not None)
+    return frozenset(token for token in ids if 0 <= token < vocab_size)
+
 
 def resolve_dtype(model_dir: Path, dtype: str, backend: str = "native") -> str:
     """``auto`` is the fastest faithful dtype: int4 for a model converted from a 4-bit GGUF file

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -220,6 +221,29 @@ def test_batched_generation_of_a_qwen3_equals_plain_decoding_and_its_features(
                                     qwen3.backend.new_cache(n), aux_layers=AUX)  # fmt: skip
         assert out.aux is not None
         torch.testing.assert_close(seq.features.float(), out.aux.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_batched_generation_ends_answers_at_every_end_token(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Self-distilled answers end where the engine's plain decoding ends them: at any ``eos_token_id`` of
+    generation_config.json (``LoadedModel.end_token_ids``), not only the tokenizer's EOS."""
+    directory = tmp_path / "ends"
+    shutil.copytree(tiny_llama_dir, directory)
+    plain = load(model=str(directory), dtype="float32", drafter="none", calibrate=False, compile=False)
+    end = plain.generate(PROMPTS[1], max_new_tokens=16).token_ids[5]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end]}))
+    loaded = load_model(str(directory), "native", "float32")
+    assert loaded.end_token_ids() == {2, end} and isinstance(loaded.backend, NativeLlama)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    config = FeatureGenConfig(tokens=1000, max_new_tokens=16, batch_size=2, refill=1, top_k=4, threads=1)
+    generate_features(loaded.backend, loaded.tokenizer, [prompts], tmp_path / "data", AUX, config, loaded.fingerprint,
+                      ends=loaded.end_token_ids())  # fmt: skip
+    engine = load(loaded=loaded, drafter="none", calibrate=False, compile=False)
+    answers = [seq.tokens[seq.prompt_length :].tolist() for seq in load_sequences(tmp_path / "data")]
+    prompts_ids = [seq.tokens[: seq.prompt_length].tolist() for seq in load_sequences(tmp_path / "data")]
+    for prompt_ids, answer in zip(prompts_ids, answers, strict=True):
+        assert answer == engine.generate(prompt_ids, max_new_tokens=16).token_ids
+    assert any(answer[-1] == end and len(answer) < 16 for answer in answers)
 
 
 @pytest.mark.parametrize("score_temperature", [1.0, 0.6])

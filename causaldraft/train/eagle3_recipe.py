@@ -126,7 +126,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     started = time.perf_counter()
     tokens, generation_seconds = generate_features(
         backend, loaded.tokenizer, recipe.prompts, data_dir, aux_layers, recipe.generation,
-        loaded.fingerprint,
+        loaded.fingerprint, ends=loaded.end_token_ids(),
     )  # fmt: skip
     timings["generate_s_this_run"] = time.perf_counter() - started
     timings["generate_s_all_runs"] = generation_seconds

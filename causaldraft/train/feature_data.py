@@ -191,9 +191,11 @@ def generate_features(
     config: FeatureGenConfig,
     fingerprint: str,
     keep_hidden: bool = False,
+    ends: frozenset[int] | None = None,
 ) -> tuple[int, float]:
     """Generate (or resume) until ``config.tokens`` response tokens exist; returns (tokens, seconds).
-    ``keep_hidden``: also keep every fed token's final hidden state (the heads' input)."""
+    ``keep_hidden``: also keep every fed token's final hidden state (the heads' input). ``ends``: the tokens that
+    end an answer (``LoadedModel.end_token_ids``; None: the tokenizer's EOS alone)."""
     prompts = encode_prompts(tokenizer, mix_prompts(prompt_files, config.seed), config.max_prompt_tokens)
     meta = data_meta(fingerprint, aux_layers, config, prompts_digest(prompts), keep_hidden)
     check_meta(directory, meta, added=("prompts",))
@@ -202,7 +204,7 @@ def generate_features(
         return total, seconds
     torch.set_num_threads(config.threads)
     queue = [index for index in range(len(prompts)) if index not in done]
-    eos = int(tokenizer.eos_token_id)
+    ends = frozenset({int(tokenizer.eos_token_id)}) if ends is None else ends
     batch = config.batch_size
     cache = BatchCache.empty(model, batch, config.max_prompt_tokens + config.max_new_tokens + 1)
     rows: list[Row | None] = [None] * batch
@@ -219,7 +221,7 @@ def generate_features(
             if all(row is None for row in rows):
                 break
             began = time.perf_counter()
-            finished = decode_step(model, cache, rows, config, aux_layers, eos, keep_hidden)
+            finished = decode_step(model, cache, rows, config, aux_layers, ends, keep_hidden)
             writer.seconds += time.perf_counter() - began
             for row in finished:
                 writer.add(row)
@@ -272,14 +274,14 @@ def decode_step(
     rows: list[Row | None],
     config: FeatureGenConfig,
     aux_layers: tuple[int, ...],
-    eos: int,
+    ends: frozenset[int],
     keep_hidden: bool,
 ) -> list[Row]:
-    """Feed every row's newest token; rows that end (EOS, max_new_tokens) are returned and freed.
+    """Feed every row's newest token; rows that end (an end token, max_new_tokens) are returned and freed.
     Free rows compute a throwaway token at slot 0 (refilled before they are read)."""
     finished: list[Row] = []
     for slot, row in enumerate(rows):  # a row whose first token already ends it is not fed
-        if row is not None and (row.tokens[-1] == eos or row.response_length >= config.max_new_tokens):
+        if row is not None and (row.tokens[-1] in ends or row.response_length >= config.max_new_tokens):
             finished.append(row)
             rows[slot] = None
     live = [(slot, row) for slot, row in enumerate(rows) if row is not None]
@@ -303,7 +305,7 @@ def decode_step(
         row.topk_ids.append(ids[slot].clone())
         row.topk_logprobs.append(logprobs[slot].clone())
         row.tokens.append(token)
-        if row.tokens[-1] == eos or row.response_length >= config.max_new_tokens:
+        if row.tokens[-1] in ends or row.response_length >= config.max_new_tokens:
             finished.append(row)
             rows[slot] = None
     return finished

@@ -68,7 +68,8 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
     data_dir = work / f"heads-data{suffix}"
     started = time.perf_counter()
     response_tokens, _ = generate_features(backend, loaded.tokenizer, recipe.prompts, data_dir, (), recipe.generation,
-                                           loaded.fingerprint, keep_hidden=True)  # fmt: skip
+                                           loaded.fingerprint, keep_hidden=True,
+                                           ends=loaded.end_token_ids())  # fmt: skip
     timings["generate_s"] = time.perf_counter() - started
     features = answer_features(data_dir)
     train_set, eval_set = split_features(features, recipe.eval_every)

@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         work = args.work or causaldraft_home() / "train" / loaded.fingerprint
         directory = work / f"store-data-seed{args.data_seed}"
         fingerprint = loaded.fingerprint
-        generated = generate_features(backend, loaded.tokenizer, args.prompts, directory, (), config, fingerprint)
+        generated = generate_features(backend, loaded.tokenizer, args.prompts, directory, (), config, fingerprint,
+                                      ends=loaded.end_token_ids())  # fmt: skip
     sequences = load_sequences(directory)
     meta = read_meta(directory) or {}
     if meta.get("fingerprint", loaded.fingerprint) != loaded.fingerprint:

@@ -58,27 +58,27 @@ def test_native_matches_transformers_on_prefix_and_tree(tiny_llama_dir: Path, sh
     assert (native_tree - hf_tree).abs().max() < 1e-3
 
 
-def test_native_qwen2_layout_with_qkv_bias_matches_transformers(tiny_qwen_dir: Path) -> None:
-    native = NativeLlama.from_pretrained(tiny_qwen_dir, torch.float32)
-    assert native.llama_shape.qkv_bias and native.llama_shape.tie_embeddings
-    reference = HFBackend.from_pretrained(tiny_qwen_dir, torch.float32)
+def assert_matches_transformers(native: NativeLlama, directory: Path) -> None:
+    """fp32 logits of ``native`` within 1e-3 of transformers' over a prefix and each of ``TREES``."""
+    reference = HFBackend.from_pretrained(directory, torch.float32)
     for tree in TREES.values():
         native_prefix, native_tree = run_prefix_and_tree(native, tree)
         hf_prefix, hf_tree = run_prefix_and_tree(reference, tree)
         assert (native_prefix - hf_prefix).abs().max() < 1e-3
         assert (native_tree - hf_tree).abs().max() < 1e-3
+
+
+def test_native_qwen2_layout_with_qkv_bias_matches_transformers(tiny_qwen_dir: Path) -> None:
+    native = NativeLlama.from_pretrained(tiny_qwen_dir, torch.float32)
+    assert native.llama_shape.qkv_bias and native.llama_shape.tie_embeddings
+    assert_matches_transformers(native, tiny_qwen_dir)
 
 
 def test_native_qwen3_layout_with_query_and_key_norms_matches_transformers(tiny_qwen3_dir: Path) -> None:
     native = NativeLlama.from_pretrained(tiny_qwen3_dir, torch.float32)
     shape = native.llama_shape
     assert shape.qk_norm and not shape.qkv_bias and shape.head_dim * shape.num_heads != shape.hidden_size
-    reference = HFBackend.from_pretrained(tiny_qwen3_dir, torch.float32)
-    for tree in TREES.values():
-        native_prefix, native_tree = run_prefix_and_tree(native, tree)
-        hf_prefix, hf_tree = run_prefix_and_tree(reference, tree)
-        assert (native_prefix - hf_prefix).abs().max() < 1e-3
-        assert (native_tree - hf_tree).abs().max() < 1e-3
+    assert_matches_transformers(native, tiny_qwen3_dir)
 
 
 def test_query_and_key_norms_in_a_llama_checkpoint_are_refused(tiny_qwen3_dir: Path, tmp_path: Path) -> None:

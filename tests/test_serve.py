@@ -591,6 +591,8 @@ def test_tokenizer_endpoints_are_vllm_s(server: BackgroundServer, reference: Eng
     for path, body, param in [("tokenize", {}, "prompt"), ("tokenize", {"prompt": "a", "messages": messages}, "prompt"),
                               ("tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": 1}},
                                "chat_template_kwargs"),
+                              ("tokenize", {"prompt": "a", "chat_template_kwargs": thinking_off},
+                               "chat_template_kwargs"),
                               ("tokenize", {"prompt": 5}, "prompt"), ("detokenize", {"tokens": [10**9]}, "tokens"),
                               ("detokenize", {"tokens": "abc"}, "tokens")]:  # fmt: skip
         response = httpx.post(f"{server.url}/{path}", json=body, timeout=60)

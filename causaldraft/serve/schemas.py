@@ -282,6 +282,8 @@ class TokenizeRequest(BaseModel):
     def one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise body_error("prompt", "give either prompt or messages")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise body_error("chat_template_kwargs", "chat_template_kwargs apply to messages (the chat template)")
         return self
 
 

@@ -67,6 +67,9 @@ DEFAULT_MAX_NEW_TOKENS = 256  # a request's, when it names none
 STOP_OPTIONS = ("stop", "stop_token_ids", "ignore_eos", "min_tokens")  # when the output ends
 REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "chat_template_kwargs", "logprobs",
                    "prompt_logprobs")  # fmt: skip
+UNTEMPLATED = (
+    "chat_template_kwargs apply to a prompt rendered by the chat template: chat messages, or text with chat=True"
+)
 # apply_chat_template's own arguments: not template variables (one of them would change how the call renders)
 TEMPLATE_CALL_ARGUMENTS = frozenset(
     name for name in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
@@ -191,11 +194,9 @@ class Engine:
         chat messages (``[{"role": "system", "content": ...}, {"role": "user", ...}]``, always through the
         template), or token ids, taken as they are. ``chat_template_kwargs``: more template variables
         (``encode_chat``), for a prompt that goes through the template. Anything else is a CausalDraftError."""
-        untemplated = CausalDraftError("chat_template_kwargs apply to a prompt rendered by the chat template: "
-                                       "chat messages, or text with chat=True")  # fmt: skip
         if isinstance(prompt, str):
             if chat_template_kwargs is not None and not chat:
-                raise untemplated
+                raise CausalDraftError(UNTEMPLATED)
             if chat:
                 return self.encode_chat([{"role": "user", "content": prompt}], chat_template_kwargs)
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
@@ -207,7 +208,7 @@ class Engine:
         if items and all(isinstance(item, Mapping) for item in items):
             return self.encode_chat(typing.cast(list[Mapping[str, str]], items), chat_template_kwargs)
         if chat_template_kwargs is not None:
-            raise untemplated
+            raise CausalDraftError(UNTEMPLATED)
         odd = next((item for item in items if isinstance(item, (str, Mapping))), None)
         if odd is not None:
             raise CausalDraftError(f"a prompt list holds chat messages (dicts with a role and a content) or token ids "

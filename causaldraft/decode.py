@@ -26,7 +26,7 @@ from causaldraft.prefix import PrefixStore, copy_chunks
 from causaldraft.sampling import gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
 from causaldraft.tree import compile_tree, full_mask
-from causaldraft.verify import Acceptance, verify_greedy, verify_naive, verify_sampled
+from causaldraft.verify import Acceptance, row_argmax, verify_greedy, verify_naive, verify_sampled
 
 
 @dataclass(frozen=True)
@@ -298,16 +298,19 @@ def accept_pass(
 ) -> Acceptance:  # fmt: skip
     """The accepted path of a verified tree, by the engine's acceptance rule (each node penalized along its own
     path first, when the request has penalties, and kept from stopping before ``min_tokens``)."""
+    early_stops = state.min_tokens > state.stats.new_tokens
+    if sampling.greedy and not sampling.penalized and not early_stops and state.logprobs is None:
+        return verify_greedy(draft.tree, out.scores.first_maxima())  # the logits themselves may go unread
     logits = out.logits  # [n, vocab]
     if sampling.penalized:
         logits = penalized_logits(logits, draft.tree, state.tokens, state.prompt_length, sampling)
-    if state.min_tokens > state.stats.new_tokens:
+    if early_stops:
         logits = without_early_stops(logits, draft.tree, state.stats.new_tokens, state.min_tokens, state.stop_token_ids)
     if sampling.greedy:
-        return verify_greedy(draft.tree, logits)
+        return verify_greedy(draft.tree, row_argmax(logits))
     if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
         positions = (inputs.positions + 1).tolist()  # where each node's sampled next token goes
-        return verify_greedy(draft.tree, gumbel_scores(logits, positions, sampling, state.noise_seed))
+        return verify_greedy(draft.tree, row_argmax(gumbel_scores(logits, positions, sampling, state.noise_seed)))
     target_probs = warp_probs(logits, sampling)
     if decoder.decode.acceptance == "naive":
         return verify_naive(draft.tree, target_probs, state.generator)

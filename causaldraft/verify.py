@@ -8,6 +8,7 @@ token from the target: the *recovered* token (drawn from the residual after a re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +35,11 @@ def row_argmax(scores: torch.Tensor) -> list[int]:
     return scores.argmax(-1).tolist()  # type: ignore[no-any-return]
 
 
-def verify_greedy(tree: Tree, target_logits: torch.Tensor) -> Acceptance:
+def verify_greedy(tree: Tree, best: Sequence[int]) -> Acceptance:
     """Descend while a child equals the target's argmax; emit the argmax at the stop node.
 
-    target_logits: [n, vocab]
+    best: [n] each node's argmax of the target's logits (``row_argmax``, ``Scores.first_maxima``)
     """
-    best = row_argmax(target_logits)
     children = children_lists(tree)
     node, path = 0, [0]
     while True:

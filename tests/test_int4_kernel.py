@@ -449,16 +449,22 @@ def test_bf16_block_linear_products_rows_and_threads() -> None:
 
 @needs_bf16
 def test_bf16_models_use_the_block_kernel(tiny_llama_dir: Path) -> None:
-    """The layers' linears always; the LM head too where oneDNN takes no bf16 weights, else it is the packed head."""
+    """The layers' linears always; the LM head is the screened head where the Q8_0 kernel runs (its products
+    through this kernel too), else the packed head where oneDNN takes bf16 weights, else a block linear."""
+    from causaldraft.models import q8_0_head
     from causaldraft.models.loading import load_model
     from causaldraft.models.native import NativeLlama
     from causaldraft.models.products import native_bf16_products
+    from causaldraft.models.screened_head import ScreenedHead
 
     backend = load_model(str(tiny_llama_dir), "native", "bfloat16").backend
     assert isinstance(backend, NativeLlama)
     blocks = [module for module in backend.modules() if isinstance(module, Bf16BlockLinear)]
-    if native_bf16_products():
+    if q8_0_head.available():
         assert len(blocks) == 4 * backend.llama_shape.num_layers  # qkv, o, gate_up, down
+        assert isinstance(backend.lm_head, ScreenedHead)
+    elif native_bf16_products():
+        assert len(blocks) == 4 * backend.llama_shape.num_layers
         assert isinstance(backend.lm_head, PackedLinear)  # oneDNN's bf16 products with the reordered weight
     else:
         assert len(blocks) == 4 * backend.llama_shape.num_layers + 1  # and the LM head

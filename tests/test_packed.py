@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from causaldraft.models import int4_kernel, q8_0_head
 from causaldraft.models.loading import LoadedModel
 from causaldraft.models.native import NativeLlama
 from causaldraft.models.packed import (
@@ -25,6 +26,7 @@ from causaldraft.models.packed import (
     rows_agree,
 )
 from causaldraft.models.products import native_bf16_products
+from causaldraft.models.screened_head import ScreenedHead
 
 needs_packing = pytest.mark.skipif(
     not native_bf16_products(), reason="oneDNN is missing or takes no bf16 weights on this CPU"
@@ -99,8 +101,10 @@ def test_fp32_weights_are_not_packed() -> None:
 @needs_packing
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_models_use_the_packed_head(models: dict[str, LoadedModel], dtype: str) -> None:
+    """bf16 models where the Q8_0 kernel runs have the screened head (tests/test_screened_head.py) instead."""
     backend = models[dtype].backend
-    assert isinstance(backend.lm_head, PackedLinear)
+    screened = dtype == "bfloat16" and q8_0_head.available() and int4_kernel.bf16_available()
+    assert isinstance(backend.lm_head, ScreenedHead if screened else PackedLinear)
     assert backend.lm_head.weight.dtype == torch.bfloat16
     assert backend.lm_head_weight().shape == (backend.shape.vocab_size, backend.shape.hidden_size)
 

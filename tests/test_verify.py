@@ -161,9 +161,9 @@ def test_greedy_descends_along_argmax_and_emits_bonus() -> None:
     logits[2, 3] = 5.0  # node 2 -> 3 (node 3)
     logits[3, 4] = 5.0  # leaf -> bonus 4
     logits[1, 0] = 5.0
-    assert verify_greedy(tree, logits) == Acceptance((0, 2, 3), (2, 3, 4), True)
+    assert verify_greedy(tree, row_argmax(logits)) == Acceptance((0, 2, 3), (2, 3, 4), True)
     logits[2, 3], logits[2, 1] = -1.0, 5.0  # node 2 now wants 1: recovered token 1 at node 2
-    assert verify_greedy(tree, logits) == Acceptance((0, 2), (2, 1), False)
+    assert verify_greedy(tree, row_argmax(logits)) == Acceptance((0, 2), (2, 1), False)
 
 
 def test_row_argmax_is_torch_argmax_ties_nans_and_infinities_included() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from causaldraft.verify import row_argmax
 
 
 @dataclass(frozen=True)
@@ -18,11 +21,57 @@ class ModelShape:
     max_positions: int
 
 
+Head = Callable[[torch.Tensor], torch.Tensor]  # [rows, hidden] -> [rows, vocab] logits
+Screen = Callable[[torch.Tensor], "list[int] | None"]  # [rows, hidden] -> each row's first maximum, or None
+
+
+class Scores:
+    """A pass's logits over its scored rows, [rows, vocab] float32 (rows = all new tokens, or the requested
+    rows), computed when first read. Greedy acceptance reads only each row's first maximum
+    (``first_maxima``), which a head's ``screen`` (``models/screened_head.py``) may answer without computing
+    every logit.
+
+    ``Scores.of(logits)``: logits already computed; ``Scores(rows, head, screen)``: ``head(rows)`` when read."""
+
+    def __init__(self, rows: torch.Tensor, head: Head, screen: Screen | None = None) -> None:
+        self.rows = rows  # [rows, hidden] the head's inputs
+        self.head = head
+        self.screen = screen
+        self.computed: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> Scores:
+        """Logits [rows, vocab] already computed."""
+        scores = cls(logits.new_empty(logits.shape[0], 0), lambda rows: logits)
+        scores.computed = logits
+        return scores
+
+    def logits(self) -> torch.Tensor:
+        """[rows, vocab] float32, computed once."""
+        if self.computed is None:
+            self.computed = self.head(self.rows).float()
+        return self.computed
+
+    def first_maxima(self) -> list[int]:
+        """Each row's first maximum (a NaN counts as the maximum): through the screen where there is one and
+        the logits were not read, else from the logits."""
+        if self.computed is None and self.screen is not None:
+            maxima = self.screen(self.rows)
+            if maxima is not None:
+                return maxima
+        return row_argmax(self.logits())
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [rows, vocab] float32 (rows = all new tokens, or the requested rows)
+    scores: Scores  # the logits of the scored rows, computed when read
     hidden: torch.Tensor  # [n, hidden] last-layer hidden states (after the final norm)
     aux: torch.Tensor | None = None  # [n, len(aux_layers) * hidden] inputs of the requested layers
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[rows, vocab] float32 (rows = all new tokens, or the requested rows)."""
+        return self.scores.logits()
 
 
 class Cache(Protocol):

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
+from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape, Scores
 
 
 class HFCache:
@@ -137,4 +137,4 @@ class HFBackend:
         # hidden_states[i] is the input of layer i (the last one is after the final norm)
         states = out.hidden_states
         aux = torch.cat([states[i][0] for i in aux_layers], dim=-1) if aux_layers else None
-        return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
+        return ForwardOutput(Scores.of(logits), hidden, aux)

@@ -34,6 +34,7 @@ from causaldraft.models.native import LlamaShape, NativeLlama, checkpoint_files
 from causaldraft.models.packed import use_packed_head
 from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import use_block_linears
+from causaldraft.models.screened_head import use_screened_head
 from causaldraft.paths import causaldraft_home
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -357,9 +358,11 @@ def load_backend(model_dir: Path, backend: str, dtype: str) -> tuple[Backend, Ba
             loaded, prefill = quantized.model, quantized.prefill
         else:
             native = NativeLlama.from_pretrained(model_dir, TORCH_DTYPES[dtype])
-            # bf16: the layers' linears through causaldraft's bf16 kernel where it is built (models/quant.py),
-            # and the LM head through oneDNN (models/packed.py); where oneDNN takes no bf16 weights the LM
-            # head too goes through the kernel. fp32 keeps F.linear
+            # bf16: the LM head with a Q8_0 screen for greedy steps where both its products run here
+            # (models/screened_head.py); the layers' linears through causaldraft's bf16 kernel where it is built
+            # (models/quant.py), and the LM head, if not screened, through oneDNN (models/packed.py); where oneDNN
+            # takes no bf16 weights the LM head too goes through the kernel. fp32 keeps F.linear
+            use_screened_head(native)
             blocks = use_block_linears(native, head=not native_bf16_products())
             if native_bf16_products() or not blocks:
                 use_packed_head(native)

@@ -21,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from causaldraft.cache import CachePool, KVCache
 from causaldraft.errors import CausalDraftError
-from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape
+from causaldraft.models.base import Cache, CalibrationStore, ForwardOutput, ModelShape, Scores
 from causaldraft.models.blocked import (
     KEY_BLOCK,
     BlockedKeys,
@@ -33,6 +33,7 @@ from causaldraft.models.blocked import (
     stack_keys,
 )
 from causaldraft.models.products import at_least_rows, product_dtype
+from causaldraft.models.screened_head import ScreenedHead
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Row counts compiled passes are padded to. No one-row graph in bf16/fp32: a one-row product
@@ -462,7 +463,7 @@ class NativeLlama(nn.Module):
         for p, own, own_logits in zip(passes, rows_of, logits, strict=True):
             pool.caches[p.slot].append(p.tokens.shape[0])
             features = select_aux(aux[own], computed, aux_layers) if aux is not None and aux_layers else None
-            outputs.append(ForwardOutput(logits=own_logits, hidden=hidden[own], aux=features))
+            outputs.append(ForwardOutput(Scores.of(own_logits), hidden[own], features))
         return outputs
 
     def forward(  # type: ignore[override]
@@ -497,9 +498,9 @@ class NativeLlama(nn.Module):
                 hidden = hidden[:n]
                 aux = select_aux(aux[:n], self.graph_aux_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
-        scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-        logits = self.lm_head(scored).float()  # [m, vocab]
-        return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
+        scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)  # [m, hidden]
+        screen = self.lm_head.first_maxima if isinstance(self.lm_head, ScreenedHead) else None
+        return ForwardOutput(Scores(scored, self.lm_head, screen), hidden, aux)
 
 
 MAX_EAGER_BATCH_ROWS = 16  # rows per sequence of an eager batch pass

@@ -23,7 +23,7 @@ from causaldraft.logprobs import TokenLogprob, token_logprobs
 from causaldraft.models.base import Backend, Cache, ForwardOutput
 from causaldraft.penalties import penalized_logits, without_early_stops
 from causaldraft.prefix import PrefixStore, copy_chunks
-from causaldraft.sampling import gumbel_scores, warp_probs
+from causaldraft.sampling import gumbel_noise_rows, gumbel_scores, warp_probs
 from causaldraft.threads import ThreadPolicy, step_on
 from causaldraft.tree import compile_tree, full_mask
 from causaldraft.verify import Acceptance, row_argmax, verify_greedy, verify_naive, verify_sampled
@@ -299,8 +299,14 @@ def accept_pass(
     """The accepted path of a verified tree, by the engine's acceptance rule (each node penalized along its own
     path first, when the request has penalties, and kept from stopping before ``min_tokens``)."""
     early_stops = state.min_tokens > state.stats.new_tokens
-    if sampling.greedy and not sampling.penalized and not early_stops and state.logprobs is None:
-        return verify_greedy(draft.tree, out.scores.first_maxima())  # the logits themselves may go unread
+    noise_seed = state.noise_seed if decoder.decode.acceptance == "lossless" else None  # Gumbel-seeded sampling
+    positions = (inputs.positions + 1).tolist()  # where each node's sampled next token goes
+    if not sampling.penalized and not early_stops and state.logprobs is None:  # the logits may go unread
+        if sampling.greedy:
+            return verify_greedy(draft.tree, out.scores.first_maxima())
+        if noise_seed is not None:
+            noise = gumbel_noise_rows(noise_seed, positions, decoder.target.shape.vocab_size)
+            return verify_greedy(draft.tree, out.scores.gumbel_maxima(noise, sampling))
     logits = out.logits  # [n, vocab]
     if sampling.penalized:
         logits = penalized_logits(logits, draft.tree, state.tokens, state.prompt_length, sampling)
@@ -308,9 +314,9 @@ def accept_pass(
         logits = without_early_stops(logits, draft.tree, state.stats.new_tokens, state.min_tokens, state.stop_token_ids)
     if sampling.greedy:
         return verify_greedy(draft.tree, row_argmax(logits))
-    if state.noise_seed is not None and decoder.decode.acceptance == "lossless":
-        positions = (inputs.positions + 1).tolist()  # where each node's sampled next token goes
-        return verify_greedy(draft.tree, row_argmax(gumbel_scores(logits, positions, sampling, state.noise_seed)))
+    if noise_seed is not None:
+        noise = gumbel_noise_rows(noise_seed, positions, logits.shape[-1])
+        return verify_greedy(draft.tree, row_argmax(gumbel_scores(logits, noise, sampling)))
     target_probs = warp_probs(logits, sampling)
     if decoder.decode.acceptance == "naive":
         return verify_naive(draft.tree, target_probs, state.generator)

@@ -78,9 +78,15 @@ def gumbel_noise(seed: int, position: int, size: int) -> torch.Tensor:
     return (-torch.log(-torch.log(uniform))).float()
 
 
-def gumbel_scores(logits: torch.Tensor, positions: list[int], sampling: SamplingConfig, seed: int) -> torch.Tensor:
-    """Scores whose argmax per row is the row's Gumbel sample: [n, vocab] (float32). ``positions[i]``: the
-    absolute position of the token row i samples (the row's own position + 1), the key drafters use too.
+def gumbel_noise_rows(seed: int, positions: list[int], vocab_size: int) -> torch.Tensor:
+    """[n, vocab] float32: row i the Gumbel noise of the token sampled at ``positions[i]`` (``gumbel_noise``)."""
+    return torch.stack([gumbel_noise(seed, position, vocab_size) for position in positions])
+
+
+def gumbel_scores(logits: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Scores whose argmax per row is the row's Gumbel sample: [n, vocab] (float32). ``noise`` [n, vocab]:
+    ``gumbel_noise_rows`` of the seed and the absolute positions of the tokens the rows sample (each row's own
+    position + 1), the key drafters use too.
 
     Gumbel-max: argmax over a row of log(warped probabilities) + Gumbel noise is an exact sample of that
     row's warped distribution, and with noise keyed by (seed, position) it is the very token plain seeded
@@ -89,7 +95,6 @@ def gumbel_scores(logits: torch.Tensor, positions: list[int], sampling: Sampling
     softmax and log over the vocabulary, ~1.5 ms for an 8-row pass). With them, the tokens they drop
     score -inf. Example: logits [2, 1.5, 1, -9] at T = 1 and noise [0.1, 0.9, -0.2, 2.0] give
     [0.1, 0.4, -1.2, -9.0]: token 1."""
-    noise = torch.stack([gumbel_noise(seed, position, logits.shape[-1]) for position in positions])
     if sampling.top_k == 0 and sampling.top_p >= 1.0:
         scores = scaled_logits(logits, sampling.temperature)
     else:

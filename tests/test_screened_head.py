@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from causaldraft.api import load
+from causaldraft.config import SamplingConfig
 from causaldraft.models import int4_kernel, q8_0_head, screened_head
 from causaldraft.models.base import Scores
 from causaldraft.models.loading import load_model
 from causaldraft.models.screened_head import MAX_ROWS, ScreenedHead, use_screened_head
+from causaldraft.sampling import gumbel_noise_rows, gumbel_scores
 from causaldraft.verify import row_argmax
 
 needs_kernels = pytest.mark.skipif(
@@ -31,6 +33,12 @@ def dense_first_maxima(head: ScreenedHead, x: torch.Tensor) -> list[int]:
     return row_argmax(head(x))
 
 
+def dense_gumbel_maxima(
+    head: ScreenedHead, x: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig
+) -> list[int]:
+    return row_argmax(gumbel_scores(head(x), noise, sampling))
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 def test_first_maxima_are_the_dense_logits_first_maxima(rows: int) -> None:
@@ -39,6 +47,20 @@ def test_first_maxima_are_the_dense_logits_first_maxima(rows: int) -> None:
     for trial in range(20):
         x = torch.randn(rows, 96, generator=generator) * (1 + trial)
         assert head.first_maxima(x) == dense_first_maxima(head, x)
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 3.0])
+def test_gumbel_maxima_are_the_dense_scores_first_maxima(temperature: float) -> None:
+    generator = torch.Generator().manual_seed(7)
+    head = head_of(torch.randn(1000, 96, generator=generator) * 0.05)
+    sampling = SamplingConfig(temperature=temperature)
+    for trial in range(12):
+        rows = 1 + trial % 8
+        x = torch.randn(rows, 96, generator=generator) * (1 + trial)
+        noise = gumbel_noise_rows(trial, list(range(100, 100 + rows)), 1000)
+        assert head.gumbel_maxima(x, noise, sampling) == dense_gumbel_maxima(head, x, noise, sampling)
+    assert head.gumbel_maxima(x, noise, SamplingConfig(temperature=1.0, top_k=5)) is None  # top-k: every logit
 
 
 def near_tie(step_rows: tuple[float, float]) -> tuple[torch.Tensor, float, float]:
@@ -77,6 +99,16 @@ def test_a_token_the_q8_0_copy_ranks_below_another_is_still_found() -> None:
     assert row_argmax(approx[:, :1000]) == [500]
     assert head.first_maxima(x) == dense_first_maxima(head, x) == [600]
     assert smaller < larger
+    # sampled at T = 1: token 700 has by far the largest logit but the least noise, 500 and 600 the same noise,
+    # far more than the rest: the sample is 600 (the copy's scores rank 500 first, and 700 is the greedy answer)
+    weight[700] = 0.0
+    weight[700, 5] = 0.9
+    head = head_of(weight)
+    noise = torch.full((1, 1000), -20.0)
+    noise[0, 500] = noise[0, 600] = 0.5
+    sampling = SamplingConfig(temperature=1.0)
+    assert head.first_maxima(x) == [700]
+    assert head.gumbel_maxima(x, noise, sampling) == dense_gumbel_maxima(head, x, noise, sampling) == [600]
 
 
 @needs_kernels
@@ -99,8 +131,21 @@ def test_rows_the_screen_does_not_answer() -> None:
     assert head.first_maxima(x) is None
     x[1, 3] = float("inf")
     assert head.first_maxima(x) is None
-    scores = Scores(x, head, head.first_maxima)  # the pass's answer: from the logits, a NaN as the maximum
+    scores = Scores(x, head, head)  # the pass's answer: from the logits, a NaN as the maximum
     assert scores.first_maxima() == row_argmax(head(x))
+
+
+class FixedScreen:
+    """A screen answering every call with ``maxima``."""
+
+    def __init__(self, maxima: list[int] | None) -> None:
+        self.maxima = maxima
+
+    def first_maxima(self, x: torch.Tensor) -> list[int] | None:
+        return self.maxima
+
+    def gumbel_maxima(self, x: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int] | None:
+        return self.maxima
 
 
 def test_logits_are_computed_once_and_only_when_read() -> None:
@@ -110,11 +155,11 @@ def test_logits_are_computed_once_and_only_when_read() -> None:
         calls.append(rows.shape[0])
         return torch.tensor([[0.0, 2.0, 2.0], [3.0, 1.0, 0.0]])
 
-    screened = Scores(torch.zeros(2, 4), head, lambda rows: [2, 0])
+    screened = Scores(torch.zeros(2, 4), head, FixedScreen([2, 0]))
     assert screened.first_maxima() == [2, 0] and calls == []  # the screen answered: no logits
     assert screened.logits()[0, 1] == 2.0 and screened.logits()[1, 0] == 3.0 and calls == [2]
     assert screened.first_maxima() == [1, 0]  # once read, the logits answer (the same, for an exact screen)
-    unanswered = Scores(torch.zeros(2, 4), head, lambda rows: None)
+    unanswered = Scores(torch.zeros(2, 4), head, FixedScreen(None))
     assert unanswered.first_maxima() == [1, 0] and calls == [2, 2]
     assert Scores.of(torch.tensor([[0.0, 5.0]])).first_maxima() == [1]
 
@@ -154,4 +199,30 @@ def test_greedy_decoding_through_the_screen_writes_the_dense_argmax(
     assert sum(answered) > 20 and sum(answered) >= 0.5 * len(answered)  # trees of more than MAX_ROWS: dense
     monkeypatch.setattr(ScreenedHead, "first_maxima", lambda self, x: None)
     dense = [engine.generate(prompt, max_new_tokens=60).token_ids for prompt in prompts]
+    assert screened == dense
+
+
+@needs_kernels
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_seeded_sampling_through_the_screen_draws_the_dense_scores_samples(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, drafter: str
+) -> None:
+    """Gumbel-seeded sampling (T = 1): the same tokens with the screen turned off by hand, which answered most
+    passes."""
+    engine = load(str(tiny_llama_dir), dtype="bfloat16", drafter=drafter, compile=False)
+    answered: list[bool] = []
+    gumbel_maxima = ScreenedHead.gumbel_maxima
+
+    def counted(self: ScreenedHead, x: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int] | None:
+        maxima = gumbel_maxima(self, x, noise, sampling)
+        answered.append(maxima is not None)
+        return maxima
+
+    monkeypatch.setattr(ScreenedHead, "gumbel_maxima", counted)
+    prompts = [[5, 9, 12, 40, 7], [100, 3, 3, 3, 8, 200]]
+    options = {"max_new_tokens": 60, "temperature": 1.0, "seed": 3}
+    screened = [engine.generate(prompt, **options).token_ids for prompt in prompts]
+    assert sum(answered) > 20 and sum(answered) >= 0.5 * len(answered)
+    monkeypatch.setattr(ScreenedHead, "gumbel_maxima", lambda self, x, noise, sampling: None)
+    dense = [engine.generate(prompt, **options).token_ids for prompt in prompts]
     assert screened == dense

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from causaldraft.config import SamplingConfig
+from causaldraft.sampling import gumbel_scores
 from causaldraft.verify import row_argmax
 
 
@@ -22,18 +24,26 @@ class ModelShape:
 
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # [rows, hidden] -> [rows, vocab] logits
-Screen = Callable[[torch.Tensor], "list[int] | None"]  # [rows, hidden] -> each row's first maximum, or None
+
+
+class ScreeningHead(Protocol):
+    """A head that finds rows' first maxima without computing every logit (``models/screened_head.py``); each
+    returns None where it does not answer, and the caller reads the logits."""
+
+    def first_maxima(self, x: torch.Tensor) -> list[int] | None: ...
+
+    def gumbel_maxima(self, x: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int] | None: ...
 
 
 class Scores:
     """A pass's logits over its scored rows, [rows, vocab] float32 (rows = all new tokens, or the requested
-    rows), computed when first read. Greedy acceptance reads only each row's first maximum
-    (``first_maxima``), which a head's ``screen`` (``models/screened_head.py``) may answer without computing
-    every logit.
+    rows), computed when first read. Greedy and Gumbel-seeded acceptance read only each row's first maximum of
+    the logits or of their Gumbel scores (``first_maxima``, ``gumbel_maxima``), which a ``screen`` may answer
+    without computing every logit.
 
     ``Scores.of(logits)``: logits already computed; ``Scores(rows, head, screen)``: ``head(rows)`` when read."""
 
-    def __init__(self, rows: torch.Tensor, head: Head, screen: Screen | None = None) -> None:
+    def __init__(self, rows: torch.Tensor, head: Head, screen: ScreeningHead | None = None) -> None:
         self.rows = rows  # [rows, hidden] the head's inputs
         self.head = head
         self.screen = screen
@@ -56,10 +66,19 @@ class Scores:
         """Each row's first maximum (a NaN counts as the maximum): through the screen where there is one and
         the logits were not read, else from the logits."""
         if self.computed is None and self.screen is not None:
-            maxima = self.screen(self.rows)
+            maxima = self.screen.first_maxima(self.rows)
             if maxima is not None:
                 return maxima
         return row_argmax(self.logits())
+
+    def gumbel_maxima(self, noise: torch.Tensor, sampling: SamplingConfig) -> list[int]:
+        """Each row's Gumbel sample: the first maximum of ``gumbel_scores(logits, noise, sampling)``, noise
+        [rows, vocab]; through the screen where there is one and the logits were not read."""
+        if self.computed is None and self.screen is not None:
+            maxima = self.screen.gumbel_maxima(self.rows, noise, sampling)
+            if maxima is not None:
+                return maxima
+        return row_argmax(gumbel_scores(self.logits(), noise, sampling))
 
 
 @dataclass(frozen=True)

@@ -499,7 +499,7 @@ class NativeLlama(nn.Module):
                 aux = select_aux(aux[:n], self.graph_aux_layers, aux_layers) if aux is not None and aux_layers else None
         cache.append(n)
         scored = hidden if logits_rows is None else hidden.index_select(0, logits_rows)  # [m, hidden]
-        screen = self.lm_head.first_maxima if isinstance(self.lm_head, ScreenedHead) else None
+        screen = self.lm_head if isinstance(self.lm_head, ScreenedHead) else None
         return ForwardOutput(Scores(scored, self.lm_head, screen), hidden, aux)
 
 

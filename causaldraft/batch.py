@@ -190,6 +190,11 @@ class Batch:
         inputs = [tree_pass(draft, prefix) for draft, prefix in zip(drafts, prefixes, strict=True)]
         started = time.perf_counter()
         outputs = self.verify(live, inputs, shared)
+        # timed with the pass, as decode_steps times verify_step: a screened head answers in accept_pass
+        acceptances = [
+            accept_pass(stream.run.decoder, stream.run.state, draft, pass_inputs, out, stream.run.sampling)
+            for stream, draft, pass_inputs, out in zip(live, drafts, inputs, outputs, strict=True)
+        ]
         seconds = time.perf_counter() - started
         rows = max(draft.tree.size for draft in drafts)
         if shared:
@@ -197,11 +202,10 @@ class Batch:
         self.last_step = StepReport(len(live), rows, seconds)
         self.largest_step = max(self.largest_step, len(live) if shared else 1)
         finished = []
-        for stream, draft, prefix, pass_inputs, out, drafted in zip(
-            live, drafts, prefixes, inputs, outputs, draft_seconds, strict=True
+        for stream, draft, prefix, acceptance, out, drafted in zip(
+            live, drafts, prefixes, acceptances, outputs, draft_seconds, strict=True
         ):
             run = stream.run
-            acceptance = accept_pass(run.decoder, run.state, draft, pass_inputs, out, run.sampling)
             timing = StepTiming(drafted, seconds / len(live))
             emitted = finish_step(run.decoder, run.state, run.policy, draft, prefix, acceptance, out,
                                   run.max_new_tokens, timing)  # fmt: skip

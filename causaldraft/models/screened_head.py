@@ -44,16 +44,19 @@ from torch import nn
 
 from causaldraft.config import SamplingConfig
 from causaldraft.models import int4_kernel, q8_0_head
-from causaldraft.sampling import MIN_TEMPERATURE, gumbel_scores
+from causaldraft.sampling import MIN_TEMPERATURE
 from causaldraft.verify import row_argmax
 
-SWITCH = "CAUSALDRAFT_SCREENED_HEAD"  # "off": every logit computed, as before stop 55
+# "off": the LM head of before stop 55 (oneDNN's where it takes bf16 weights); "dense": this head's product, every
+# logit computed (no screen), for comparisons
+SWITCH = "CAUSALDRAFT_SCREENED_HEAD"
 # Screen calls of up to this many rows: beyond, the Q8_0 copy's product costs about what the dense one does
 # (cold caches, this CPU: 2.30 against 3.77 ms at 8 rows, 4.44 against 4.72 at 16)
 MAX_ROWS = 8
 SUM_ERROR = 2e-4  # > 2 x 1,000 x 2^-24: both products' fp32 sums, relative to sum |x_i w_i| <= |x| |w|
 ROUNDING = 2.0**-8  # bf16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-8 of it
-SCORE_ROUNDING = 1e-6  # > 3 x 2^-24: a Gumbel score's float32 roundings, relative to its terms' magnitudes
+SCORE_ROUNDING = 1e-5  # > 6 x 2^-24: the centres' and a Gumbel score's float32 roundings, relative to their terms
+NOISE_BOUND = 37.0  # |Gumbel noise| from float64 uniforms: at most -log(-log(1 - 2^-53)) = 36.7
 SLACK = 1e-25  # absolute: products and sums of subnormal numbers, which the bf16 dot-product steps flush to zero
 MAX_CANDIDATES = 1024  # more (a flat row, or a huge bound) and the dense logits are cheaper
 
@@ -79,6 +82,7 @@ class ScreenedHead(nn.Module):
         residual = exact - copy.dequantize()[: self.out_features]
         margins = residual.norm(dim=1) + SUM_ERROR * exact.norm(dim=1)  # [vocab]
         self.largest_margin = float(margins.max())
+        self.screening = os.environ.get(SWITCH, "").lower() != "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [m, hidden]
@@ -89,41 +93,57 @@ class ScreenedHead(nn.Module):
         """Each row's first maximum of ``forward(x)`` without computing it: x [m, hidden] -> m token ids;
         None where the screen does not answer (more than ``MAX_ROWS`` rows, approximations that are not
         all finite, too many candidates): the caller reads the dense logits."""
-        approximation = self.approximate(x)
+        approximation = self.approximate(x) if self.screening else None
         if approximation is None:
             return None
         candidates = approximation.maxima_candidates()
         if all(len(ids) == 1 for ids in candidates):
             return [int(ids[0]) for ids in candidates]
-        logits = self.candidates_logits(approximation.rows, candidates)
-        return None if logits is None else row_argmax(logits)
+        ids, exact = self.exact_logits(approximation.rows, candidates)
+        if exact is None:
+            return None
+        maxima = []
+        for row, own in enumerate(candidates):
+            logits = exact[row, torch.from_numpy(np.searchsorted(ids, own))]  # [c_r], increasing ids
+            maxima.append(int(own[row_argmax(logits[None])[0]]))  # the first maximum among them
+        return maxima
 
     def gumbel_maxima(self, x: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int] | None:
         """Each row's first maximum of ``sampling.gumbel_scores(forward(x), noise, sampling)`` (its Gumbel sample)
         without computing every logit: x [m, hidden], noise [m, vocab] -> m token ids; None where the screen
         does not answer (as ``first_maxima``; top-k or top-p, whose scores need every logit).
 
-        Each token's score lies within ``bound / T + slack`` of ``approx / T + noise`` shifted by the row's largest
-        logit (``slack`` covers the score's three float32 roundings), so the candidates are the tokens within twice
-        that of the best one, and the row's largest logit comes from the greedy candidates. Both sets' exact logits,
-        -inf elsewhere, go through ``gumbel_scores`` itself: the candidates' scores are the dense scores' bits."""
+        Each token's score lies within ``bound / T + slack`` of ``approx / T + noise`` less the row's largest logit
+        over T (``slack`` covers the float32 roundings of both), so the candidates are the tokens within twice that
+        of the best one; the greedy candidates join them (they hold the row's largest logit). Their scores are
+        computed from their exact logits by ``gumbel_scores``' own operations (IEEE subtraction, division, addition
+        of the same numbers: the dense scores' bits), and the first maximum among them, in token order, is the
+        dense scores' first maximum."""
         if sampling.top_k > 0 or sampling.top_p < 1.0:
             return None
-        approximation = self.approximate(x)
+        approximation = self.approximate(x) if self.screening else None
         if approximation is None:
             return None
         temperature = max(sampling.temperature, MIN_TEMPERATURE)  # as scaled_logits divides
-        noise_rows = noise.double().numpy()  # [m, vocab]
-        centres = approximation.approx / temperature + noise_rows  # [m, vocab] float64
-        spreads = (approximation.top - approximation.bottom + 2 * approximation.bounds) / temperature
-        slacks = SCORE_ROUNDING * (spreads + np.abs(noise_rows).max(axis=1)) + SLACK  # [m]
+        centres = approximation.approx / np.float32(temperature)  # [m, vocab] float32
+        centres += noise.numpy()
+        reach = (np.abs(approximation.top) + np.abs(approximation.bottom) + 2 * approximation.bounds) / temperature
+        slacks = SCORE_ROUNDING * (reach + NOISE_BOUND) + SLACK  # [m]: the centres' and the scores' roundings
         thresholds = centres.max(axis=1) - 2 * (approximation.bounds / temperature + slacks)  # [m]
         candidates = [
             np.union1d(np.flatnonzero(row >= threshold), maxima)
             for row, threshold, maxima in zip(centres, thresholds, approximation.maxima_candidates(), strict=True)
         ]  # fmt: skip
-        logits = self.candidates_logits(approximation.rows, candidates)
-        return None if logits is None else row_argmax(gumbel_scores(logits, noise, sampling))
+        ids, exact = self.exact_logits(approximation.rows, candidates)
+        if exact is None:
+            return None
+        samples = []
+        for row, own in enumerate(candidates):
+            logits = exact[row, torch.from_numpy(np.searchsorted(ids, own))]  # [c_r] float32, increasing ids
+            # gumbel_scores' operations on these elements: the dense scores' bits (IEEE sub, div, add)
+            scores = (logits - logits.amax()).div_(temperature).add_(noise[row, torch.from_numpy(own)])
+            samples.append(int(own[row_argmax(scores[None])[0]]))
+        return samples
 
     def approximate(self, x: torch.Tensor) -> Approximation | None:
         """The Q8_0 copy's logits of x [m, hidden] and each row's bound (module docstring); None for more than
@@ -140,20 +160,16 @@ class ScreenedHead(nn.Module):
         bounds = norms * self.largest_margin * (1 + ROUNDING) + ROUNDING * largest + SLACK  # [m]
         return Approximation(rows, approx, top, bottom, bounds)
 
-    def candidates_logits(self, rows: torch.Tensor, candidates: list[np.ndarray]) -> torch.Tensor | None:
-        """rows [m, hidden] bf16, candidates[r] token ids of row r -> [m, vocab] float32: those tokens' exact
-        logits (the dense product's bits), -inf elsewhere; None for more than ``MAX_CANDIDATES`` tokens in all."""
+    def exact_logits(self, rows: torch.Tensor, candidates: list[np.ndarray]) -> tuple[np.ndarray, torch.Tensor | None]:
+        """rows [m, hidden] bf16, candidates[r] token ids of row r -> (ids [c], the union in increasing order, and
+        every row's exact logits of them [m, c] float32: the dense product's bits); None for more than
+        ``MAX_CANDIDATES`` ids."""
         ids = np.unique(np.concatenate(candidates))  # [c] increasing: every row's candidates
         if len(ids) > MAX_CANDIDATES:
-            return None
+            return ids, None
         weights = self.weight.detach().index_select(0, torch.from_numpy(ids))  # [c, hidden]
         packed = int4_kernel.pack_channels(padded_rows(weights, int4_kernel.BLOCK))
-        exact = int4_kernel.bf16_product(rows, packed)[:, : len(ids)].float()  # [m, c]
-        logits = torch.full((rows.shape[0], self.out_features), float("-inf"))  # [m, vocab]
-        for row, own in enumerate(candidates):
-            columns = torch.from_numpy(np.searchsorted(ids, own))  # row r's candidates among ids
-            logits[row, torch.from_numpy(own)] = exact[row, columns]
-        return logits
+        return ids, int4_kernel.bf16_product(rows, packed)[:, : len(ids)].float()
 
 
 @dataclass(frozen=True)

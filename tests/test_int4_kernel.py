@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -469,3 +470,18 @@ def test_bf16_models_use_the_block_kernel(tiny_llama_dir: Path) -> None:
     else:
         assert len(blocks) == 4 * backend.llama_shape.num_layers + 1  # and the LM head
     assert not use_block_linears(backend)  # nothing left to replace
+
+
+def test_a_build_lock_left_by_a_killed_process_is_removed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch waits without end for a build directory's lock to go: one older than any build is removed (with a
+    message), a fresh one (another process building now) is kept."""
+    from causaldraft.models.int4_kernel import STALE_LOCK_SECONDS, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not clear_stale_lock(lock)  # none
+    lock.touch()
+    assert not clear_stale_lock(lock) and lock.exists()  # fresh: a build under way
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(lock) and not lock.exists()
+    assert "build lock" in capsys.readouterr().err

@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,7 @@ def load_source(what: str, source: Path, flags: tuple[str, ...], instead: str = 
     directory = causaldraft_home() / "kernels" / digest
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory / "lock")
         cpp_extension.load(
             name=f"causaldraft_{source.stem}_{digest}", sources=[str(source)], extra_cflags=list(flags),
             build_directory=str(directory), is_python_module=False, verbose=False,
@@ -182,6 +184,31 @@ def load_source(what: str, source: Path, flags: tuple[str, ...], instead: str = 
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel serves
         notify(f"{what} kernel not built ({type(error).__name__}: {str(error).strip()[:200]}); using {instead}")
         return False
+    return True
+
+
+STALE_LOCK_SECONDS = 900  # a build here takes at most a few minutes; an older lock was left by a killed process
+
+
+def clear_stale_lock(lock: Path) -> bool:
+    """Remove a build directory's ``lock`` older than ``STALE_LOCK_SECONDS``, with a message; True if removed.
+
+    torch's extension builder holds that file while it builds and waits, without end or message, for it to go
+    before building or loading the same extension: a process killed during a build (stop 55) left one, and the next
+    process loading the kernel waited silently until the file was deleted by hand."""
+    from causaldraft.models.quant import notify
+
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # no lock: nothing to clear
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    try:
+        lock.unlink()
+    except OSError:
+        return False
+    notify(f"removed {lock}, a build lock {age / 60:.0f} min old left by a process that ended while building")
     return True
 
 

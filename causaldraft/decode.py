@@ -299,13 +299,14 @@ def accept_pass(
     """The accepted path of a verified tree, by the engine's acceptance rule (each node penalized along its own
     path first, when the request has penalties, and kept from stopping before ``min_tokens``)."""
     early_stops = state.min_tokens > state.stats.new_tokens
-    noise_seed = state.noise_seed if decoder.decode.acceptance == "lossless" else None  # Gumbel-seeded sampling
-    positions = (inputs.positions + 1).tolist()  # where each node's sampled next token goes
+    noise = None  # Gumbel-seeded sampling: the noise of each node's next token, keyed by where that token goes
+    if not sampling.greedy and state.noise_seed is not None and decoder.decode.acceptance == "lossless":
+        positions = (inputs.positions + 1).tolist()
+        noise = gumbel_noise_rows(state.noise_seed, positions, decoder.target.shape.vocab_size)  # [n, vocab]
     if not sampling.penalized and not early_stops and state.logprobs is None:  # the logits may go unread
         if sampling.greedy:
             return verify_greedy(draft.tree, out.scores.first_maxima())
-        if noise_seed is not None:
-            noise = gumbel_noise_rows(noise_seed, positions, decoder.target.shape.vocab_size)
+        if noise is not None:
             return verify_greedy(draft.tree, out.scores.gumbel_maxima(noise, sampling))
     logits = out.logits  # [n, vocab]
     if sampling.penalized:
@@ -314,8 +315,7 @@ def accept_pass(
         logits = without_early_stops(logits, draft.tree, state.stats.new_tokens, state.min_tokens, state.stop_token_ids)
     if sampling.greedy:
         return verify_greedy(draft.tree, row_argmax(logits))
-    if noise_seed is not None:
-        noise = gumbel_noise_rows(noise_seed, positions, logits.shape[-1])
+    if noise is not None:
         return verify_greedy(draft.tree, row_argmax(gumbel_scores(logits, noise, sampling)))
     target_probs = warp_probs(logits, sampling)
     if decoder.decode.acceptance == "naive":

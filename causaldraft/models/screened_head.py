@@ -102,11 +102,8 @@ class ScreenedHead(nn.Module):
         ids, exact = self.exact_logits(approximation.rows, candidates)
         if exact is None:
             return None
-        maxima = []
-        for row, own in enumerate(candidates):
-            logits = exact[row, torch.from_numpy(np.searchsorted(ids, own))]  # [c_r], increasing ids
-            maxima.append(int(own[row_argmax(logits[None])[0]]))  # the first maximum among them
-        return maxima
+        # the first maximum among each row's own candidates
+        return [int(own[row_argmax(row_logits(exact, ids, row, own)[None])[0]]) for row, own in enumerate(candidates)]
 
     def gumbel_maxima(self, x: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int] | None:
         """Each row's first maximum of ``sampling.gumbel_scores(forward(x), noise, sampling)`` (its Gumbel sample)
@@ -139,7 +136,7 @@ class ScreenedHead(nn.Module):
             return None
         samples = []
         for row, own in enumerate(candidates):
-            logits = exact[row, torch.from_numpy(np.searchsorted(ids, own))]  # [c_r] float32, increasing ids
+            logits = row_logits(exact, ids, row, own)
             # gumbel_scores' operations on these elements: the dense scores' bits (IEEE sub, div, add)
             scores = (logits - logits.amax()).div_(temperature).add_(noise[row, torch.from_numpy(own)])
             samples.append(int(own[row_argmax(scores[None])[0]]))
@@ -186,6 +183,12 @@ class Approximation:
         """Each row's tokens that may hold its largest logit (increasing ids): within twice the bound of the top."""
         thresholds = self.top - 2 * self.bounds  # [m]
         return [np.flatnonzero(row >= threshold) for row, threshold in zip(self.approx, thresholds, strict=True)]
+
+
+def row_logits(exact: torch.Tensor, ids: np.ndarray, row: int, own: np.ndarray) -> torch.Tensor:
+    """Row ``row``'s exact logits of its own candidates ``own`` (increasing ids, a subset of ``ids``), from
+    ``exact`` [m, len(ids)]: [len(own)] float32. Example: ids [3, 7, 9], own [7, 9] -> exact[row, [1, 2]]."""
+    return exact[row, torch.from_numpy(np.searchsorted(ids, own))]
 
 
 def padded_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:

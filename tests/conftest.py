@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,16 @@ def seeded_torch() -> None:
     """Every test starts from the same global torch RNG state, whichever tests ran before it in its worker
     (the suite runs in parallel workers that take tests in no fixed order: make test)."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def threads_restored() -> Iterator[None]:
+    """Nothing a test runs leaves torch's thread count changed: a worker left on two threads spins against the
+    other worker's for the rest of the suite (stop 56: tests of 4-8 s took 50-97 s after a training recipe
+    had set two threads for good)."""
+    count = torch.get_num_threads()
+    yield
+    assert torch.get_num_threads() == count, f"torch's thread count left at {torch.get_num_threads()}, was {count}"
 
 
 @pytest.fixture(autouse=True)

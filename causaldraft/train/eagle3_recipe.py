@@ -31,6 +31,7 @@ from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
+from causaldraft.threads import on_threads
 from causaldraft.train.calibration import calibrate_layer
 from causaldraft.train.data import order_suffix
 from causaldraft.train.eagle3_train import (
@@ -112,6 +113,13 @@ def init_tag(init: Path | None) -> str:
 
 
 def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
+    """The recipe on ``recipe.generation.threads`` threads; the caller's torch thread count is restored after it
+    (a test or a program that trains and then decodes keeps its own)."""
+    with on_threads(recipe.generation.threads):
+        return eagle3_recipe_phases(recipe)
+
+
+def eagle3_recipe_phases(recipe: Eagle3Recipe) -> dict[str, object]:
     timings: dict[str, float] = {}
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
@@ -130,7 +138,6 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
     )  # fmt: skip
     timings["generate_s_this_run"] = time.perf_counter() - started
     timings["generate_s_all_runs"] = generation_seconds
-    torch.set_num_threads(recipe.generation.threads)
     sequences = load_sequences(data_dir)
     train_set, eval_set = split_sequences(sequences, recipe.eval_every)
     if not eval_set:

@@ -38,6 +38,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.batched import BatchCache, batched_forward
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import mix_seed
+from causaldraft.threads import on_threads
 from causaldraft.train.data import check_meta, encode_prompts, mix_prompts, prompts_digest, shard_paths
 
 
@@ -202,7 +203,6 @@ def generate_features(
     done, total, seconds = done_prompts(directory)
     if total >= config.tokens:
         return total, seconds
-    torch.set_num_threads(config.threads)
     queue = [index for index in range(len(prompts)) if index not in done]
     ends = frozenset({int(tokenizer.eos_token_id)}) if ends is None else ends
     batch = config.batch_size
@@ -210,7 +210,7 @@ def generate_features(
     rows: list[Row | None] = [None] * batch
     writer = ShardWriter(directory, config.sequences_per_shard)
     progress = tqdm(total=config.tokens, initial=total, unit="tok", desc="generate + features")
-    with torch.inference_mode():
+    with torch.inference_mode(), on_threads(config.threads):  # the caller's count restored afterwards
         while total < config.tokens:
             free = [slot for slot, row in enumerate(rows) if row is None]
             if queue and (len(free) >= config.refill or len(free) == batch):

@@ -22,6 +22,7 @@ from causaldraft.models.batched import use_batch_products
 from causaldraft.models.loading import load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.paths import causaldraft_home
+from causaldraft.threads import on_threads
 from causaldraft.train.data import order_suffix
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
@@ -56,13 +57,19 @@ class Recipe:
 
 
 def run_recipe(recipe: Recipe) -> dict[str, object]:
+    """The recipe on ``recipe.generation.threads`` threads; the caller's torch thread count is restored after it
+    (a test or a program that trains and then decodes keeps its own)."""
+    with on_threads(recipe.generation.threads):
+        return heads_recipe_phases(recipe)
+
+
+def heads_recipe_phases(recipe: Recipe) -> dict[str, object]:
     timings: dict[str, float] = {}
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
     if not isinstance(backend, NativeLlama):
         raise CausalDraftError("train-heads needs the native backend")
     use_batch_products(backend)  # answers are generated 48 rows at a time
-    torch.set_num_threads(recipe.generation.threads)
     work = recipe.work or causaldraft_home() / "train" / loaded.fingerprint
     suffix = order_suffix(recipe.generation.seed)  # each prompt order resumes in folders of its own
     data_dir = work / f"heads-data{suffix}"

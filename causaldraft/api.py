@@ -18,6 +18,7 @@ from typing import Any
 import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from causaldraft.adapt import (
     AdaptState,
@@ -70,11 +71,13 @@ REQUEST_OPTIONS = ("max_new_tokens", *SAMPLING_OPTIONS, *STOP_OPTIONS, "chat", "
 UNTEMPLATED = (
     "chat_template_kwargs apply to a prompt rendered by the chat template: chat messages, or text with chat=True"
 )
-# apply_chat_template's own arguments: not template variables (one of them would change how the call renders)
+# Not template variables: the arguments of apply_chat_template and of the function it renders through (one of
+# them would change how the call renders), and the variables that render call sets itself (the conversation goes
+# to the template as ``messages``): passing one again is a TypeError inside transformers.
 TEMPLATE_CALL_ARGUMENTS = frozenset(
-    name for name in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    if name not in ("self", "kwargs")
-)  # fmt: skip
+    name for call in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
+    for name in inspect.signature(call).parameters if name not in ("self", "kwargs")
+) | {"messages", "tools", "documents", "add_generation_prompt"}  # fmt: skip
 
 
 def check_request_options(options: Mapping[str, object]) -> None:

@@ -79,6 +79,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama_dir: Path, capsys: p
     assert json.loads(capsys.readouterr().out)["token_ids"] == expected
     for prompt, options, message in [
         (messages, {"chat_template_kwargs": {"tokenize": True}}, "cannot set 'tokenize'"),
+        (messages, {"chat_template_kwargs": {"messages": []}}, "cannot set 'messages'"),  # the render call's own
         (messages, {"chat_template_kwargs": ["enable_thinking"]}, "must be a dict"),
         (messages, {"chat_template_kwargs": {"not a name": 1}}, "must be a dict"),
         ("hi", {"chat_template_kwargs": thinking_off}, "rendered by the chat template"),

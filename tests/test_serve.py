@@ -14,10 +14,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from causaldraft.api import Engine, load
 from causaldraft.cli import build_parser
-from causaldraft.serve.app import create_app
+from causaldraft.serve.app import StatusRecorder, create_app
 from causaldraft.serve.logprob_bodies import TokenTexts
 from causaldraft.serve.metrics import Metrics, parse_metrics
 from causaldraft.serve.schemas import MAX_REQUEST_BYTES
@@ -212,7 +214,6 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", completion(stream="yes"), "stream"),
     ("completions", completion(n=0), "n"),
     ("completions", completion(n=3), "n"),  # more than the server runs and queues at once (2)
-    ("completions", completion(model="gpt-4"), "model"),
     ("chat/completions", chat(messages=[]), "messages"),
     ("chat/completions", chat(messages="hi"), "messages"),
     ("chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
@@ -220,7 +221,6 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(messages=[{"role": "user", "content": "x" * (CONTEXT + 100)}]), "messages"),
     ("chat/completions", chat(max_tokens=-3), "max_tokens"),
     ("chat/completions", chat(n=17), "n"),
-    ("chat/completions", chat(model="other"), "model"),
     ("chat/completions", chat(echo=True), "echo"),
     ("completions", completion(echo="yes"), "echo"),
     ("completions", completion(prompt_logprobs=21), "prompt_logprobs"),
@@ -252,6 +252,8 @@ MALFORMED: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("chat/completions", chat(chat_template_kwargs="enable_thinking"), "chat_template_kwargs"),
     ("chat/completions", chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+    ("chat/completions", chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    ("completions", completion(logit_bias={"\u0663": 1}), "logit_bias"),  # an Arabic-Indic digit three
 ]
 
 
@@ -269,6 +271,32 @@ def test_malformed_request_gets_openai_error(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"), [("completions", completion(model="gpt-4")), ("chat/completions", chat(model="other"))]
+)
+def test_a_model_not_served_is_404(server: BackgroundServer, endpoint: str, body: dict[str, Any]) -> None:
+    """As OpenAI and vLLM answer it (the openai client raises NotFoundError), naming the model served."""
+    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found") and repr(MODEL) in error["message"]
+
+
+def test_a_server_error_is_counted_as_500() -> None:
+    """An unexpected exception is answered with a 500 and counted as one (not as a client that left, 499)."""
+    metrics = Metrics()
+    app = FastAPI()
+    app.add_middleware(StatusRecorder, metrics=metrics)  # type: ignore[arg-type]
+
+    @app.get("/health")
+    async def broken() -> None:
+        raise RuntimeError("broken")
+
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        assert test_client.get("/health").status_code == 500
+    assert metrics.responses == {("/health", 500): 1}
 
 
 @pytest.mark.parametrize(
@@ -610,7 +638,7 @@ def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="abc", max_tokens=4, n=17)
     assert "n must be from 1 to 16" in str(caught.value)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):  # as OpenAI and vLLM answer a model not served
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
 
 

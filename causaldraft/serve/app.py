@@ -495,7 +495,7 @@ def create_app(
         max_tokens: int | None,
     ) -> GenerationRequest:  # fmt: skip
         if body.model != served_model:
-            raise ApiError(400, f"model {body.model!r} is not served here; use {served_model!r}", "model",
+            raise ApiError(404, f"model {body.model!r} is not served here; use {served_model!r}", "model",
                            "model_not_found")  # fmt: skip
         if max_tokens is not None and max_tokens > worker.context_length:
             raise ApiError(400, f"max_tokens {max_tokens} exceeds the model's context of {worker.context_length} "
@@ -686,6 +686,11 @@ class StatusRecorder:
 
         try:
             await self.app(scope, receive, recording_send)
+        except Exception:  # unhandled here: Starlette's outermost middleware answers it with a 500
+            if not recorded:
+                recorded = True
+                self.metrics.record_response(path, 500)
+            raise
         finally:
             if not recorded:  # the client left before any response started
                 self.metrics.record_response(path, 499)

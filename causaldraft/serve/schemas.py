@@ -164,7 +164,7 @@ class GenerationParams(BaseModel):
 
     def ignored_fields(self) -> list[str]:
         """The body's fields this server does not read (OpenAI's ``user``, ``metadata``, other servers' own)."""
-        return sorted(self.model_extra or {})
+        return sorted(set(self.model_extra or {}) - set(self.unsupported))  # those are checked, not ignored
 
     def echoes(self) -> bool:
         """The answer starts with the prompt (completions' ``echo``)."""
@@ -174,7 +174,7 @@ class GenerationParams(BaseModel):
     @classmethod
     def token_ids_as_keys(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in logit_bias or {}:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # str.isdigit takes other scripts' digits too
                 raise ValueError(f"logit_bias keys are token ids (integers >= 0), got {key!r}")
         return logit_bias
 

@@ -438,6 +438,21 @@ def test_n_choices_are_each_one_request_s_answer(
     assert sampled.usage is not None and chunks[-1]["usage"]["completion_tokens"] == sampled.usage.completion_tokens
 
 
+def test_a_stream_of_more_answers_than_the_batch_starts_at_once(server: BackgroundServer) -> None:
+    """The server runs one request at a time (``max_batch=1``): a streamed n=2 request's second answer starts when
+    the first finishes, and the stream does not wait for it: the first answer's text arrives while it runs."""
+    completed = 'causaldraft_generations_total{outcome="completed"}'
+    before = metrics(server)[completed]
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "n": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line.startswith("data: {"))
+        first = json.loads(next(lines)[len("data: ") :])
+        assert first["choices"][0]["index"] == 0 and first["choices"][0]["text"]
+        assert metrics(server)[completed] == before  # neither answer has finished
+    wait_until(lambda: httpx.get(f"{server.url}/health").json()["status"] == "ok")
+
+
 def test_stop_token_ids_and_min_tokens_are_the_engine_s(client: openai.OpenAI, reference: Engine) -> None:
     whole = reference.generate("abcabc", max_new_tokens=12).token_ids
     stop = whole[4]

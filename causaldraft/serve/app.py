@@ -543,7 +543,9 @@ def create_app(
             cancel(choices)
             raise ApiError(429, str(error), None, "queue_full") from None
         try:
-            for choice in choices:
+            # A stream starts once its first answer has: with more answers than the batch holds (n > --max-batch)
+            # the later ones start only as earlier ones finish, and their start is an event of the stream.
+            for choice in choices[:1] if body.stream else choices:
                 first = await wait_event(request, choice.inbox, choice.job)
                 if isinstance(first, Failed):
                     raise ApiError(first.status, first.message, first.param)

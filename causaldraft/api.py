@@ -202,7 +202,7 @@ class Engine:
                 raise CausalDraftError(UNTEMPLATED)
             if chat:
                 return self.encode_chat([{"role": "user", "content": prompt}], chat_template_kwargs)
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return self.embeddable(list(self.tokenizer.encode(prompt, add_special_tokens=False)))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
             raise CausalDraftError(
                 f"a prompt is text, chat messages or token ids, got {type(prompt).__name__} (decode bytes first)"
@@ -222,6 +222,17 @@ class Engine:
         vocab = self.model.backend.shape.vocab_size
         if any(token < 0 or token >= vocab for token in ids):
             raise CausalDraftError(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def embeddable(self, ids: list[int]) -> list[int]:
+        """Text's token ids, checked against the model's embedding rows: a tokenizer can hold more tokens than
+        its model's ``vocab_size`` (found by an audit: such an id crashed the first pass)."""
+        vocab = self.model.backend.shape.vocab_size
+        beyond = next((token for token in ids if token >= vocab), None)
+        if beyond is not None:
+            raise CausalDraftError(f"the prompt's text holds token id {beyond} ({self.tokenizer.decode([beyond])!r}), "
+                                   f"past this model's {vocab} embedding rows: its tokenizer has more tokens than "
+                                   "the model's vocab_size")  # fmt: skip
         return ids
 
     def encode_chat(
@@ -244,7 +255,7 @@ class Engine:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
         except jinja2.TemplateError as error:
             raise CausalDraftError(f"the chat template refused these messages: {error}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.embeddable(list(self.tokenizer.encode(text, add_special_tokens=False)))
 
     def start(
         self,

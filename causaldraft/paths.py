@@ -13,3 +13,16 @@ from pathlib import Path
 
 def causaldraft_home() -> Path:
     return Path(os.environ.get("CAUSALDRAFT_HOME", Path.home() / ".cache" / "causaldraft"))
+
+
+def trained_directory(path: str | Path, what: str) -> Path:
+    """``path`` as the directory of trained weights it must be (``what`` names them in the error): a file
+    inside it is named as such, with the directory to pass instead."""
+    from causaldraft.errors import CausalDraftError
+
+    directory = Path(path).expanduser()
+    if directory.is_file():
+        raise CausalDraftError(f"{what} {directory} is a file: pass the directory that holds it ({directory.parent})")
+    if not directory.is_dir():
+        raise CausalDraftError(f"{what} {directory} does not exist")
+    return directory

@@ -439,3 +439,71 @@ def test_hf_backend_through_the_real_engine_commits_and_rolls_back(
     tokens = torch.tensor([0, 1, 2, 7])
     reference = spec.model.backend.forward(tokens, torch.arange(4), torch.ones(4, 4, dtype=torch.bool).tril(), fresh)
     assert (out.logits[0] - reference.logits[-1]).abs().max() < 1e-4
+
+
+def test_the_weights_read_are_the_ones_transformers_reads(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Found by an audit: every ``*.safetensors`` in the folder was read. A sharded checkpoint is its index's
+    shards (a missing one is named), an unsharded one is ``model.safetensors``: Mistral's
+    ``consolidated.safetensors`` or a stale file beside them is not merged in."""
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(str(sharded), max_shard_size="100KB")
+    byte_tokenizer().save_pretrained(str(sharded))
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    expected = causaldraft.load(str(tiny_llama_dir), dtype="float32", compile=False).generate(
+        PREFIX, max_new_tokens=8, temperature=0
+    )
+    stale = {"model.embed_tokens.weight": torch.zeros(259, 64), "layers.0.attention.wk.weight": torch.zeros(32, 64)}
+    for folder in (sharded, tiny_llama_dir.parent / "with-extra"):
+        if folder != sharded:
+            shutil.copytree(tiny_llama_dir, folder)
+        save_file({"model.embed_tokens.weight": stale["model.embed_tokens.weight"]}, str(folder / "old.safetensors"))
+        save_file({"layers.0.attention.wk.weight": stale["layers.0.attention.wk.weight"]},
+                  str(folder / "consolidated.safetensors"))  # fmt: skip
+        if folder == sharded:
+            save_file({"model.embed_tokens.weight": torch.zeros(259, 64)}, str(folder / "model.safetensors"))
+        engine = causaldraft.load(str(folder), dtype="float32", compile=False)
+        assert engine.generate(PREFIX, max_new_tokens=8, temperature=0).token_ids == expected.token_ids
+    shards[1].unlink()
+    with pytest.raises(CausalDraftError, match=f"lacks {shards[1].name}"):
+        load_model(str(sharded), dtype="float32")
+
+
+def test_an_untied_checkpoint_without_its_lm_head_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Found by an audit: a checkpoint whose config says the LM head is its own (``tie_word_embeddings`` false)
+    but which lacks ``lm_head.weight`` decoded with the embeddings as its head, silently another model."""
+    from safetensors.torch import load_file
+
+    headless = tmp_path / "headless"
+    shutil.copytree(tiny_llama_dir, headless)
+    weights = load_file(str(headless / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(headless / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CausalDraftError, match="lacks weights.*lm_head.weight"):
+        load_model(str(headless), dtype="float32")
+
+
+def test_an_activation_other_than_silu_is_refused_natively(tmp_path: Path) -> None:
+    """Found by an audit: the native MLP computes SiLU whatever ``hidden_act`` says."""
+    directory = save_tiny_llama(tmp_path / "gelu", hidden_act="gelu")
+    with pytest.raises(CausalDraftError, match="hidden_act is 'gelu'"):
+        load_model(str(directory), dtype="float32")
+    assert load_model(str(directory), dtype="float32", backend="hf").backend is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_sizes_the_attention_kernel_lacks_go_through_torch(tmp_path: Path, dtype: str) -> None:
+    """Found by an audit: a head size of 8 (or 24, or 256) crashed in the attention kernel. Such caches attend
+    through torch's operations, speculative decoding still equal to plain decoding, and fp32 to transformers."""
+    directory = save_tiny_llama(tmp_path / "hd8", num_attention_heads=8, num_key_value_heads=4)
+    plain = causaldraft.load(str(directory), dtype=dtype, drafter="none", compile=False)
+    expected = plain.generate(PREFIX, max_new_tokens=24, temperature=0).token_ids
+    for options in ({"drafter": "lookup", "tree": "dynamic"}, {"drafter": "draft", "draft_layers": 2, "tree": "static"},
+                    {"drafter": "draft", "draft_model": str(directory), "tree": "chain"}):  # fmt: skip
+        engine = causaldraft.load(str(directory), dtype=dtype, compile=False, **options)
+        assert engine.generate(PREFIX, max_new_tokens=24, temperature=0).token_ids == expected, options
+    if dtype == "float32":
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        reference = model.generate(torch.tensor([PREFIX]), max_new_tokens=24, do_sample=False)[0, len(PREFIX) :]
+        assert expected == reference.tolist()

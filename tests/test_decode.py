@@ -21,6 +21,7 @@ from causaldraft.decode import PROMPT_CHUNK, PromptRead
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.native import NativeLlama
 from causaldraft.sampling import warp_probs
+from tests.tiny import save_tiny_gpt2, save_tiny_llama
 
 PROMPTS = ["hello world hello world", "the cat sat on the mat. the cat", "abcabcabc"]
 DRAFTERS = ["lookup", "draft"]
@@ -202,6 +203,14 @@ def test_vocabulary_mismatch_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Pa
     tokenizer.save_pretrained(str(other))
     with pytest.raises(CausalDraftError, match="vocabulary"):
         engine(tiny_llama_dir, "draft", draft_model=str(other))
+    # found by an audit: the same tokenizer over fewer embedding rows crashed at the first id past them
+    fewer = tmp_path / "fewer-rows"
+    save_tiny_llama(fewer, vocab_size=200)
+    AutoTokenizer.from_pretrained(str(tiny_llama_dir)).save_pretrained(str(fewer))
+    with pytest.raises(CausalDraftError, match="embeds 200 token ids, fewer than the target's 259"):
+        engine(tiny_llama_dir, "draft", draft_model=str(fewer))
+    with pytest.raises(CausalDraftError, match="draft models run on the native backend"):
+        engine(tiny_llama_dir, "draft", draft_model=str(save_tiny_gpt2(tmp_path / "gpt2")))
     with pytest.raises(CausalDraftError, match=r"--draft-layers .* \[1, 3\] for this 4-layer model, got 4"):
         engine(tiny_llama_dir, "draft", draft_layers=4)
 
@@ -469,3 +478,16 @@ def test_extreme_but_valid_sampling_values_sample_correctly(tiny_llama_dir: Path
         if settings["temperature"] < 1e-30 or settings.get("top_p", 1.0) < 1e-30:
             greedy = engine(tiny_llama_dir).generate(PROMPTS[0], max_new_tokens=8).token_ids
             assert result.token_ids == greedy  # effectively greedy, never NaN
+
+
+def test_text_past_the_model_s_embedding_rows_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Found by an audit: a tokenizer with more tokens than its model's ``vocab_size`` encoded text to an id the
+    model cannot embed, and the first pass crashed; token-id prompts were already checked."""
+    small = save_tiny_llama(tmp_path / "small-vocab", vocab_size=200)  # the 259-token byte tokenizer
+    plain = engine(small)
+    assert plain.generate("ab", max_new_tokens=2).token_ids  # bytes a, b: ids under 200
+    for prompt, chat in (("€", False), ("hi", True)):  # a byte of € and the template's spaces: ids past 200
+        with pytest.raises(CausalDraftError, match="past this model's 200 embedding rows"):
+            plain.generate(prompt, chat=chat, max_new_tokens=2)
+    with pytest.raises(CausalDraftError, match=r"token ids must be in \[0, 200\)"):
+        plain.generate([5, 230], max_new_tokens=2)

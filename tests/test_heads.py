@@ -152,6 +152,9 @@ def test_kind_mismatch_and_missing_default(tiny: LoadedModel, tmp_path: Path) ->
         load_heads_drafter("markov", tiny, DrafterOptions())
     with pytest.raises(CausalDraftError, match="does not exist"):
         load_heads_drafter("markov", tiny, DrafterOptions(heads=str(tmp_path / "nowhere")))
+    weights_file = next(path for path in heads_dir.iterdir() if path.suffix == ".safetensors")
+    with pytest.raises(CausalDraftError, match=f"is a file: pass the directory that holds it \\({heads_dir}\\)"):
+        load_heads_drafter("medusa", tiny, DrafterOptions(heads=str(weights_file)))  # found by an audit
     eagle3_dir = layer_dir(tiny, tmp_path / "eagle3")  # the other kind of trained drafter: named, not "missing"
     with pytest.raises(CausalDraftError, match="holds an eagle3 layer, not markov/medusa heads: use --drafter eagle3"):
         load_heads_drafter("markov", tiny, DrafterOptions(heads=str(eagle3_dir)))

@@ -82,6 +82,26 @@ def test_prompt_formats(tmp_path: Path) -> None:
         read_prompts(bad)
     with pytest.raises(CausalDraftError, match="does not exist"):
         read_prompts(tmp_path / "none.json")
+    keys = tmp_path / "d.jsonl"
+    keys.write_text('{"question": "q1"}\n{"prompt": "p"}\n')  # found by an audit: the error named only 'turns'
+    with pytest.raises(CausalDraftError, match='line 2 is not an object with a "question"'):
+        read_prompts(keys)
+
+
+@pytest.mark.parametrize("kind", ["markov", "eagle3"])
+def test_too_few_prompts_are_refused_before_any_data_is_made(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """Found by an audit: with fewer answers than the evaluation's stride (every 20th is held out) training
+    generated all its data, then failed in torch.cat."""
+    prompts = tmp_path / "few.txt"
+    prompts.write_text("".join(f"question {index}?\n" for index in range(8)))
+    code = main(["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(prompts), "--heads", kind,
+                 "--tokens", "200", "--max-new-tokens", "8", "--dtype", "float32", "--work", str(tmp_path / "work"),
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2
+    assert "8 prompts in the prompt files" in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()
 
 
 def test_a_work_folder_refuses_data_of_another_model_or_other_prompts(

@@ -40,6 +40,7 @@ from causaldraft.errors import CausalDraftError
 from causaldraft.models.base import Backend
 from causaldraft.models.loading import LoadedModel
 from causaldraft.models.quant import Int8Linear, quantize_int8
+from causaldraft.paths import trained_directory
 from causaldraft.tree import Candidates, LevelGate, Tree, build_tree
 
 INITIAL_ROWS = 1024
@@ -279,9 +280,7 @@ def load_eagle3_drafter(target, options, store: NgramStore | None = None) -> Eag
     """The registry's constructor: options.heads, or the shipped layer for the default model."""
     fingerprint = target.base_fingerprint
     if options.heads is not None:
-        directory = Path(options.heads).expanduser()
-        if not directory.is_dir():
-            raise CausalDraftError(f"eagle3 directory {directory} does not exist")
+        directory = trained_directory(options.heads, "eagle3 directory")
     else:
         directory = default_eagle3_dir()
         if not shipped_eagle3_fits(target):

@@ -183,7 +183,7 @@ class Eagle3Layer(nn.Module):
         k = apply_rope(k.view(n, c.kv_heads, c.head_dim).transpose(0, 1), cos, sin)  # [kvh, n, hd]
         keys.index_copy_(1, slots, k)
         values.index_copy_(1, slots, v.view(n, c.kv_heads, c.head_dim).transpose(0, 1))
-        if keys.dtype in (torch.float32, torch.bfloat16) and attention_kernel.available():
+        if attention_kernel.takes(keys):
             # causaldraft's kernel reads the cache as it is, in one call (fp32 arithmetic): the mask is its
             # layout's ``seen`` with every slot in the head (slot == row) and an empty tail
             tail = torch.empty(1, n, 0, dtype=torch.long)

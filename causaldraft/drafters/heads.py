@@ -41,6 +41,7 @@ from causaldraft.models.loading import LoadedModel
 from causaldraft.models.packed import DraftLinear
 from causaldraft.models.products import native_bf16_products
 from causaldraft.models.quant import Int8Linear, quantize_int8
+from causaldraft.paths import trained_directory
 from causaldraft.tree import Candidates, Tree, build_tree
 
 HEAD_KINDS = ("markov", "medusa")
@@ -311,9 +312,7 @@ def load_heads_drafter(kind: str, target, options, store: NgramStore | None = No
     if kind not in HEAD_KINDS:
         raise CausalDraftError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
     if options.heads is not None:
-        directory = Path(options.heads).expanduser()
-        if not directory.is_dir():
-            raise CausalDraftError(f"heads directory {directory} does not exist")
+        directory = trained_directory(options.heads, "heads directory")
     else:
         directory = default_heads_dir(kind)
         if not shipped_heads_fit(kind, target):

@@ -14,6 +14,7 @@ from causaldraft.drafters.store import NgramStore, default_store_dir, load_store
 from causaldraft.errors import CausalDraftError
 from causaldraft.models.loading import LoadedModel, load_model
 from causaldraft.models.native import NativeLlama
+from causaldraft.paths import trained_directory
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,7 @@ def lookup_store(target: LoadedModel, options: DrafterOptions) -> NgramStore | N
         return None
     fingerprint, vocab_size = target.base_fingerprint, target.backend.shape.vocab_size
     if options.store is not None:
-        directory = Path(options.store).expanduser()
-        if not directory.is_dir():
-            raise CausalDraftError(f"n-gram store directory {directory} does not exist")
+        directory = trained_directory(options.store, "n-gram store directory")
         return load_store(directory, fingerprint, vocab_size)
     shipped = default_store_dir()
     if (shipped / STORE_CONFIG).is_file() and read_store_config(shipped).fingerprint == fingerprint:
@@ -70,8 +69,16 @@ def build_draft(target: LoadedModel, options: DrafterOptions, dtype: str) -> Dra
         return DraftModelDrafter(target.backend.truncated(options.draft_layers), name="draft")
     if not Path(options.draft_model).exists():
         raise CausalDraftError(f"draft model path {options.draft_model} does not exist")
-    draft = load_model(options.draft_model, "native", options.draft_dtype or dtype)
+    try:
+        draft = load_model(options.draft_model, "native", options.draft_dtype or dtype)
+    except CausalDraftError as error:
+        raise CausalDraftError(f"draft model {options.draft_model} (draft models run on the native backend, "
+                               f"whatever the target's): {error}") from None  # fmt: skip
     check_same_vocabulary(target.tokenizer.get_vocab(), draft.tokenizer.get_vocab())
+    rows, needed = draft.backend.shape.vocab_size, target.backend.shape.vocab_size
+    if rows < needed:  # the target may emit any of its ids, and the draft must read each one it is given
+        raise CausalDraftError(f"the draft model {options.draft_model} embeds {rows} token ids, fewer than the "
+                               f"target's {needed}: it could not read every token the target writes")  # fmt: skip
     return DraftModelDrafter(draft.backend, name="draft", vocab_size=target.backend.shape.vocab_size)
 
 
@@ -106,9 +113,7 @@ def auto_choice(target: LoadedModel, options: DrafterOptions) -> str:
     if options.heads is None:
         unquantized = isinstance(target.backend, NativeLlama) and not target.backend.quantized
         return "eagle3" if unquantized and shipped_eagle3_fits(target) else "lookup"
-    directory = Path(options.heads).expanduser()
-    if not directory.is_dir():
-        raise CausalDraftError(f"heads directory {directory} does not exist")
+    directory = trained_directory(options.heads, "heads directory")
     if (directory / EAGLE3_CONFIG).is_file():
         return "eagle3"
     if (directory / CONFIG_FILE).is_file():

@@ -126,6 +126,19 @@ def available() -> bool:
     return loaded_flags() is not None
 
 
+MAX_HEAD_DIM = 128  # the kernel's head sizes: multiples of 16 up to this (attention.cpp's check)
+
+
+def takes(keys: torch.Tensor) -> bool:
+    """Whether the kernel attends over ``keys`` [..., hd]: fp32 or bf16, a head size it is built for, and loaded.
+    Any other cache goes through torch's operations (models/blocked.py), as where the kernel is not built."""
+    head_dim = keys.shape[-1]
+    return (
+        keys.dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+        and available()
+    )  # fmt: skip
+
+
 def shape_of_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor, tail_slots: torch.Tensor
 ) -> torch.Tensor:

@@ -160,7 +160,7 @@ def attend_blocked(
     (scores fp32). Sequences never see each other's keys. Attention over an fp32 or bf16 cache runs in
     ``attention_kernel`` where it is built (each row's arithmetic the same for any row count: fp32, or AMX tiles
     for bf16 caches of head size 64); the rest of this function is the torch ops' version."""
-    if keys.dtype in (torch.float32, torch.bfloat16) and attention_kernel.available():
+    if attention_kernel.takes(keys):
         return attention_kernel.attend(q, keys, values, *layout.tensors()).to(q.dtype)
     sequences, heads, n, hd = q.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]

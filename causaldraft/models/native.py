@@ -7,6 +7,7 @@ model classes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,6 +92,10 @@ class LlamaShape:
                 f"the native backend does not support model_type {config.model_type!r} "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use --backend hf"
             )
+        activation = getattr(config, "hidden_act", "silu")
+        if activation not in ("silu", "swish"):  # the same function under two names
+            raise CausalDraftError(f"the native backend's MLP computes SiLU; this checkpoint's hidden_act is "
+                                   f"{activation!r}: use --backend hf")  # fmt: skip
         num_heads = int(config.num_attention_heads)
         hidden = int(config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or hidden // num_heads
@@ -308,7 +313,7 @@ class NativeLlama(nn.Module):
         with torch.device("meta"):
             model = cls(shape, torch.empty(0), scaling)
         state = read_safetensors(model_dir)
-        if (shape.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
+        if shape.tie_embeddings and "model.embed_tokens.weight" in state:  # untied: its own, or refused below
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         renamed = fuse_projections({name.removeprefix("model."): tensor for name, tensor in state.items()})
         expected = set(model.state_dict())
@@ -570,15 +575,35 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 QUANT_CACHE_PREFIX = "quant-"  # quantized weights cached beside a checkpoint (models/quant_load.py)
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> shard file
+SAFETENSORS_FILE = "model.safetensors"  # an unsharded checkpoint's weights
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's own ``*.safetensors`` files (not the quantized caches kept beside them)."""
-    return [path for path in sorted(model_dir.glob("*.safetensors")) if not path.name.startswith(QUANT_CACHE_PREFIX)]
+    """The checkpoint's weight files, the ones transformers reads: the shards its index names, else
+    ``model.safetensors``. Other ``*.safetensors`` files beside them are not read: a stale unsharded file left
+    beside newer shards, Mistral's ``consolidated.safetensors`` (another program's names for the same weights),
+    the quantized caches kept beside a checkpoint (``QUANT_CACHE_PREFIX``)."""
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted({str(name) for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CausalDraftError(f"corrupt checkpoint index {index}: {error!r}") from None
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise CausalDraftError(f"checkpoint {model_dir} lacks {missing[0]}, a weights file {SAFETENSORS_INDEX} "
+                                   f"names ({len(missing)} of {len(names)} missing)")  # fmt: skip
+        return [model_dir / name for name in names]
+    single = model_dir / SAFETENSORS_FILE
+    return [single] if single.is_file() else []
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     if not files:
-        raise CausalDraftError(f"no *.safetensors weights in {model_dir}")
+        raise CausalDraftError(f"no safetensors weights in {model_dir} ({SAFETENSORS_FILE} or {SAFETENSORS_INDEX})")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:

@@ -32,15 +32,36 @@ def read_prompts(path: Path) -> list[str]:
                 if turns:
                     prompts.append(turns[0])
         elif path.suffix == ".jsonl":
-            for line in text.splitlines():
+            for number, line in enumerate(text.splitlines(), start=1):
                 if line.strip():
-                    record = json.loads(line)
-                    prompts.append(record["question"] if "question" in record else record["turns"][0])
+                    prompts.append(jsonl_prompt(json.loads(line), path, number))
         else:
             prompts = [line for line in text.splitlines() if line.strip()]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise CausalDraftError(f"cannot read prompts from {path}: {error}") from error
     return [prompt.strip() for prompt in prompts if prompt.strip()]
+
+
+def jsonl_prompt(record: object, path: Path, number: int) -> str:
+    """A .jsonl line's prompt: its ``question``, or the first of its ``turns`` (MT-bench's layout)."""
+    if isinstance(record, dict):
+        if isinstance(record.get("question"), str):
+            return record["question"]
+        turns = record.get("turns")
+        if isinstance(turns, list) and turns and isinstance(turns[0], str):
+            return turns[0]
+    raise CausalDraftError(f"cannot read prompts from {path}: line {number} is not an object with a \"question\" "
+                           f"(text) or \"turns\" (a list of texts): {str(record)[:80]}")  # fmt: skip
+
+
+def check_enough_prompts(files: Sequence[Path], eval_every: int) -> None:
+    """Training holds out every ``eval_every``-th answer for its evaluation, and answers each prompt once: fewer
+    prompts than that would leave nothing to evaluate on (found by an audit: it failed after generating)."""
+    count = sum(len(read_prompts(path)) for path in files)
+    if count < eval_every:
+        raise CausalDraftError(f"{count} prompts in the prompt files: training answers each prompt once and "
+                               f"holds out every {eval_every}th answer for evaluation, so it needs at least "
+                               f"{eval_every}")  # fmt: skip
 
 
 def mix_prompts(files: Sequence[Path], seed: int) -> list[str]:

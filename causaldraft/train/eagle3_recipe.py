@@ -33,7 +33,7 @@ from causaldraft.models.native import NativeLlama, default_aux_layers
 from causaldraft.paths import causaldraft_home
 from causaldraft.threads import on_threads
 from causaldraft.train.calibration import calibrate_layer
-from causaldraft.train.data import order_suffix
+from causaldraft.train.data import check_enough_prompts, order_suffix
 from causaldraft.train.eagle3_train import (
     Eagle3TrainConfig,
     draft_vocabulary,
@@ -121,6 +121,7 @@ def run_eagle3_recipe(recipe: Eagle3Recipe) -> dict[str, object]:
 
 def eagle3_recipe_phases(recipe: Eagle3Recipe) -> dict[str, object]:
     timings: dict[str, float] = {}
+    check_enough_prompts(recipe.prompts, recipe.eval_every)
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
     assert isinstance(backend, NativeLlama)

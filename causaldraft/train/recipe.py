@@ -23,7 +23,7 @@ from causaldraft.models.loading import load_model
 from causaldraft.models.native import NativeLlama
 from causaldraft.paths import causaldraft_home
 from causaldraft.threads import on_threads
-from causaldraft.train.data import order_suffix
+from causaldraft.train.data import check_enough_prompts, order_suffix
 from causaldraft.train.evaluate import evaluate
 from causaldraft.train.feature_data import FeatureGenConfig, generate_features
 from causaldraft.train.features import answer_features, draft_vocabulary, split_features
@@ -65,6 +65,7 @@ def run_recipe(recipe: Recipe) -> dict[str, object]:
 
 def heads_recipe_phases(recipe: Recipe) -> dict[str, object]:
     timings: dict[str, float] = {}
+    check_enough_prompts(recipe.prompts, recipe.eval_every)
     loaded = load_model(recipe.model, "native", recipe.dtype)
     backend = loaded.backend
     if not isinstance(backend, NativeLlama):
@@ -80,6 +81,9 @@ def heads_recipe_phases(recipe: Recipe) -> dict[str, object]:
     timings["generate_s"] = time.perf_counter() - started
     features = answer_features(data_dir)
     train_set, eval_set = split_features(features, recipe.eval_every)
+    if not eval_set.segments:  # prompts longer than --max-prompt-tokens were left out
+        raise CausalDraftError(f"{features.segments} answers: evaluation holds out every {recipe.eval_every}th, so "
+                               f"at least {recipe.eval_every} are needed (more or shorter prompts)")  # fmt: skip
     vocab_size = backend.shape.vocab_size
     vocab_ids = draft_vocabulary(train_set, vocab_size, recipe.draft_vocab)
     config = HeadsConfig(recipe.kind, recipe.num_heads, backend.shape.hidden_size, vocab_size,

@@ -577,7 +577,7 @@ def test_a_target_rope_the_layer_cannot_take_is_refused_before_any_data_is_made(
 
     model = save_tiny_llama(tmp_path / "dynamic-rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("the cat\n")
+    prompts.write_text("the cat\n" * 20)
     code = main(["train-heads", "--model", str(model), "--prompts", str(prompts), "--heads", "eagle3",
                  "--tokens", "400", "--dtype", "float32", "--work", str(tmp_path / "work"),
                  "--out", str(tmp_path / "out")])  # fmt: skip

@@ -113,7 +113,7 @@ def test_a_work_folder_refuses_data_of_another_model_or_other_prompts(
     stamped heads trained on one model with another's fingerprint. The answers depend on the dtype they
     were generated in, which the load's fingerprint says."""
     other_prompts = tmp_path / "other.txt"
-    other_prompts.write_text("a prompt the fixture never saw\nand another one\n")
+    other_prompts.write_text("".join(f"a prompt the fixture never saw, number {index}\n" for index in range(20)))
     base = {"--model": str(tiny_llama_dir), "--prompts": str(write_prompts(tmp_path)), "--max-new-tokens": "48",
             "--dtype": "float32"}  # fmt: skip
     changes = [({"--model": str(tiny_qwen_dir)}, "fingerprint"), ({"--prompts": str(other_prompts)}, "prompts"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from causaldraft.errors import CausalDraftError
+
 
 def causaldraft_home() -> Path:
     return Path(os.environ.get("CAUSALDRAFT_HOME", Path.home() / ".cache" / "causaldraft"))
@@ -18,8 +20,6 @@ def causaldraft_home() -> Path:
 def trained_directory(path: str | Path, what: str) -> Path:
     """``path`` as the directory of trained weights it must be (``what`` names them in the error): a file
     inside it is named as such, with the directory to pass instead."""
-    from causaldraft.errors import CausalDraftError
-
     directory = Path(path).expanduser()
     if directory.is_file():
         raise CausalDraftError(f"{what} {directory} is a file: pass the directory that holds it ({directory.parent})")

@@ -1,3 +1,5 @@
+"""stop 57: the 120 int4 products of a pass, shipped int4_mm against the variant of int4_mm_r8.patch.
+    .venv/bin/python docs/results/s57-int4-rows/run.py 1   (from the repository root)"""
 import sys, time, statistics, torch
 from torch.utils.cpp_extension import load
 from causaldraft.models import int4_kernel
@@ -5,7 +7,13 @@ from causaldraft.models.loading import load_model
 from causaldraft.models.quant import Int4Linear
 rows8 = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 flags = list(int4_kernel.BF16_FLAGS) + [f"-DROWS8={rows8}"]
-load(name=f"s57proto_r8_{rows8}", sources=["docs/results/s57-int4-rows/int4_mm_r8.cpp"], extra_cflags=flags, verbose=False, is_python_module=False)
+# the variant: the shipped kernel with int4_mm_r8.patch applied (run from the repository's root)
+import shutil, subprocess, tempfile, pathlib
+work = pathlib.Path(tempfile.mkdtemp())
+shutil.copy("causaldraft/models/kernels/int4_mm.cpp", work / "int4_mm_r8.cpp")
+subprocess.run(["patch", str(work / "int4_mm_r8.cpp"), "docs/results/s57-int4-rows/int4_mm_r8.patch"], check=True)
+load(name=f"s57proto_r8_{rows8}", sources=[str(work / "int4_mm_r8.cpp")], extra_cflags=flags, verbose=False,
+     is_python_module=False)
 backend = load_model("default", dtype="int4").backend
 linears = [m for m in backend.layers.modules() if isinstance(m, Int4Linear)]
 assert all(m.kernel == "blocks" for m in linears)

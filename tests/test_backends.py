@@ -507,3 +507,14 @@ def test_head_sizes_the_attention_kernel_lacks_go_through_torch(tmp_path: Path, 
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
         reference = model.generate(torch.tensor([PREFIX]), max_new_tokens=24, do_sample=False)[0, len(PREFIX) :]
         assert expected == reference.tolist()
+
+
+def test_a_pickled_llama_on_the_native_backend_points_to_hf(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    pickled = tmp_path / "pickled-llama"
+    pickled.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", pickled / "config.json")
+    torch.save(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).state_dict(), pickled / "pytorch_model.bin")
+    byte_tokenizer().save_pretrained(str(pickled))
+    with pytest.raises(CausalDraftError, match="its PyTorch .bin weights are read by --backend hf"):
+        load_model(str(pickled), dtype="float32")
+    assert load_model(str(pickled), backend="hf", dtype="float32").backend.shape.vocab_size == 259

@@ -603,7 +603,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
     if not files:
-        raise CausalDraftError(f"no safetensors weights in {model_dir} ({SAFETENSORS_FILE} or {SAFETENSORS_INDEX})")
+        pickled = "; its PyTorch .bin weights are read by --backend hf" if any(model_dir.glob("*.bin")) else ""
+        raise CausalDraftError(f"no safetensors weights in {model_dir} ({SAFETENSORS_FILE} or "
+                               f"{SAFETENSORS_INDEX}){pickled}")  # fmt: skip
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:

@@ -336,7 +336,10 @@ def test_build_store_command(tiny_llama_dir: Path, tmp_path: Path, capsys: pytes
 def test_added_answers_leave_out_repeats_of_earlier_ones() -> None:
     corpus = [[1, 2, 3]]
     assert add_answers(corpus, [[1, 2, 4], [5], [5]], prefix=2) == ([[1, 2, 3], [5]], 2)
-    assert add_answers(corpus, [[1, 2, 4], [5, 6], [5]], prefix=3) == ([[1, 2, 3], [1, 2, 4], [5, 6], [5]], 0)
+    assert add_answers(corpus, [[1, 2, 4], [5, 6], [5]], prefix=3) == ([[1, 2, 3], [1, 2, 4], [5, 6]], 1)
+    # found by an audit: answers cut shorter (a smaller --max-new-tokens) are the start of the longer ones
+    assert add_answers(corpus, [[1, 2, 4], [5], [5], [1], [5, 6]], prefix=2) == ([[1, 2, 3], [5], [5, 6]], 3)
+    assert add_answers([[4, 5, 6, 7]], [[4, 5], [4]]) == ([[4, 5, 6, 7]], 2)
     long = list(range(REPEAT_PREFIX + 5))
     changed_late = [*long[:REPEAT_PREFIX], 999]  # the same first REPEAT_PREFIX tokens: one answer twice
     assert add_answers([long], [changed_late, long[:-1]]) == ([long], 2)

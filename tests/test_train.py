@@ -274,3 +274,16 @@ def test_answers_without_hidden_states_are_refused(tmp_path: Path) -> None:
     (tmp_path / "meta.json").write_text(json.dumps({"hidden": True}))
     with pytest.raises(CausalDraftError, match="no generated data"):
         answer_features(tmp_path)
+
+
+def test_a_generation_batch_under_six_rows_trains(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by an audit: --gen-batch-size under 6 (the refill threshold, not an option) was refused. And when the
+    prompts run out before --tokens, a line says so (only the progress bar did)."""
+    code = main(["train-heads", "--model", str(tiny_llama_dir), "--prompts", str(write_prompts(tmp_path)), "--heads",
+                 "markov", "--num-heads", "2", "--draft-vocab", "160", "--tokens", "100000", "--max-new-tokens", "8",
+                 "--gen-batch-size", "3", "--steps", "4", "--batch-size", "32", "--dtype", "float32",
+                 "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 0
+    assert "the prompts ran out at" in capsys.readouterr().err

@@ -303,16 +303,19 @@ def add_answers(
     corpus: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], prefix: int = REPEAT_PREFIX
 ) -> tuple[list[list[int]], int]:
     """``corpus`` followed by the ``answers`` that repeat none before them, and how many did. An answer repeats
-    another when both begin with the same ``prefix`` tokens (the whole answer where it is shorter), as two greedy
-    answers to one prompt do (two prompt orders share prompts): no answer's n-grams count twice.
-    Example, prefix 2: corpus [[1, 2, 3]] and answers [[1, 2, 4], [5], [5]] give [[1, 2, 3], [5]] and 2 repeats."""
-    seen = {tuple(answer[:prefix]) for answer in corpus}
-    kept, repeats = [list(answer) for answer in corpus], 0
-    for answer in answers:
+    an earlier one when their first ``prefix`` tokens agree, or when it is shorter than ``prefix`` and all of it is
+    the earlier one's start: as two greedy answers to one prompt do (two prompt orders share prompts; an answer cut
+    shorter by a smaller --max-new-tokens, found by an audit), so no answer's n-grams count twice. A longer answer
+    whose start is an earlier short one is kept: it holds n-grams the short one lacks.
+    Example, prefix 2: corpus [[1, 2, 3]] and answers [[1, 2, 4], [5], [5], [1], [5, 6]] give
+    [[1, 2, 3], [5], [5, 6]] and 3 repeats."""
+    starts: set[tuple[int, ...]] = set()  # every start, up to ``prefix`` tokens, of the answers kept
+    kept, repeats = [], 0
+    for index, answer in enumerate([*corpus, *answers]):
         key = tuple(answer[:prefix])
-        if key in seen:
+        if index >= len(corpus) and key in starts:
             repeats += 1
             continue
-        seen.add(key)
+        starts.update(key[:length] for length in range(1, len(key) + 1))
         kept.append(list(answer))
     return kept, repeats

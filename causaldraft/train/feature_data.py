@@ -26,6 +26,7 @@ those prompts and stops once ``tokens`` response tokens exist (resumable after a
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class FeatureGenConfig:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 256  # longer prompts are skipped
     batch_size: int = 48
-    refill: int = 6  # prefill new prompts once this many rows are free
+    refill: int = 6  # prefill new prompts once this many rows are free (or every row, in a smaller batch)
     top_k: int = 16
     sequences_per_shard: int = 96
     seed: int = 0
@@ -57,8 +58,8 @@ class FeatureGenConfig:
 
     def __post_init__(self) -> None:
         sizes = (self.tokens, self.max_new_tokens, self.max_prompt_tokens, self.batch_size, self.top_k)
-        if min(sizes) < 1 or not 1 <= self.refill <= self.batch_size or self.sequences_per_shard < 1:
-            raise CausalDraftError("feature generation sizes must be >= 1 (and refill <= batch size)")
+        if min(sizes) < 1 or self.refill < 1 or self.sequences_per_shard < 1:
+            raise CausalDraftError("feature generation sizes must be >= 1")
         if not 0.0 <= self.temperature <= 10.0:
             raise CausalDraftError(f"the data temperature must be in [0, 10], got {self.temperature}")
 
@@ -213,7 +214,7 @@ def generate_features(
     with torch.inference_mode(), on_threads(config.threads):  # the caller's count restored afterwards
         while total < config.tokens:
             free = [slot for slot, row in enumerate(rows) if row is None]
-            if queue and (len(free) >= config.refill or len(free) == batch):
+            if queue and len(free) >= min(config.refill, batch):  # found by an audit: batches under 6 were refused
                 began = time.perf_counter()
                 taken, queue = queue[: len(free)], queue[len(free) :]
                 prefill_rows(model, cache, rows, free[: len(taken)], taken, prompts, config, aux_layers, keep_hidden)
@@ -229,6 +230,9 @@ def generate_features(
                 progress.update(row.response_length)
     writer.flush()
     progress.close()
+    if total < config.tokens:  # found by an audit: only the progress bar told
+        print(f"causaldraft: the prompts ran out at {total} response tokens of the {config.tokens} asked (each prompt "
+              "is answered once): more prompts, or a larger --max-new-tokens, give more", file=sys.stderr)  # fmt: skip
     return done_prompts(directory)[1:]
 
 
